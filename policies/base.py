@@ -1,0 +1,141 @@
+"""The routing plugin API.
+
+The gateway builds a ``RequestView`` per request and a ``WorkerView`` per eligible worker,
+calls ``Policy.select`` (plain or ``async``), and reports the request's life back through
+the ``on_*`` hooks. Everything a policy learns about the world comes through these calls,
+so a policy is testable as a pure function over snapshots and swappable at runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """What the engine itself reports (``/get_load`` or ``/v1/loads``), summed over DP ranks."""
+
+    running: int = 0
+    waiting: int = 0
+    used_tokens: int = 0
+    max_tokens: int = 0
+    timestamp: float = 0.0
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_tokens / self.max_tokens if self.max_tokens else 0.0
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """A read-only snapshot of one worker, as the gateway sees it at routing time."""
+
+    url: str
+    role: str = "unified"  # unified | prefill | decode
+    models: frozenset[str] = frozenset()
+    healthy: bool = True
+    in_flight: int = 0  # requests the gateway has routed there and not yet finished
+    load: EngineLoad | None = None
+    bootstrap_port: int | None = None
+    server_info: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def host(self) -> str:
+        rest = self.url.split("://", 1)[-1]
+        host = rest.split("/", 1)[0]
+        return host.rsplit(":", 1)[0].strip("[]") if ":" in host else host
+
+
+@dataclass(slots=True)
+class RequestView:
+    """What a policy may know about a request. Token ids are present only when the client
+    sent ``input_ids`` or the gateway was given the engine's tokenizer."""
+
+    request_id: str
+    route: str
+    model: str | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    session_key: str | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    cache_salt: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens_estimate(self) -> int:
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        # ~4 bytes per token for BPE tokenizers; exact for the byte tokenizer's callers
+        # who pass token_ids anyway.
+        return len(self.text or "") // 4
+
+
+@dataclass(slots=True)
+class Choice:
+    """A policy's answer. ``predicted_cached_tokens`` feeds hit verification."""
+
+    worker: WorkerView
+    predicted_cached_tokens: int | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a routed request ended, as reported by the engine where it says so."""
+
+    ok: bool
+    status: int = 200
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+class NoWorkerAvailable(Exception):
+    """Raised by ``select`` when no worker can take the request."""
+
+
+class Policy:
+    """Base class for routing policies; subclasses override ``select`` and any hooks.
+
+    ``options`` come from the CLI (``--policy-option key=value``) or the YAML config.
+    ``needs_engine_load`` asks the gateway to poll engine load for this policy.
+    """
+
+    name: ClassVar[str] = "policy"
+    needs_engine_load: ClassVar[bool] = False
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Awaitable[Choice]:
+        raise NotImplementedError
+
+    # Lifecycle hooks: the defaults do nothing, so simple policies stay simple.
+    def on_routed(self, request: RequestView, worker: WorkerView) -> None: ...
+
+    def on_first_token(self, request: RequestView, worker: WorkerView) -> None: ...
+
+    def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None: ...
+
+    def on_worker_added(self, worker: WorkerView) -> None: ...
+
+    def on_worker_removed(self, worker: WorkerView) -> None: ...
+
+    async def start(self) -> None:
+        """Open background resources (subscriptions, timers) once the event loop runs."""
+
+    async def stop(self) -> None:
+        """Release what ``start`` opened."""
+
+    def stats(self) -> Mapping[str, float]:
+        """Numbers worth exporting as metrics (index size, drift, ...)."""
+        return {}
+
+
+def require_workers(workers: Sequence[WorkerView]) -> None:
+    if not workers:
+        raise NoWorkerAvailable("no healthy worker can serve this request")

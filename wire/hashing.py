@@ -1,0 +1,49 @@
+"""SGLang's page-hash chain (>= 0.5.7), used for KV events and Mooncake Store keys.
+
+Each page of ``page_size`` tokens hashes as ``SHA256(prev_digest + tokens as uint32 LE)``;
+the event hash is the first 8 bytes of the digest, big-endian, as a signed int64.
+A ``cache_salt`` seeds the chain so salted requests never share pages with unsalted ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+_SALT_PREFIX = b"sglang-cache-salt-v1\0"
+
+
+def salt_seed(cache_salt: str | None) -> bytes | None:
+    """The digest that stands before the first page for a salted request."""
+    if not cache_salt:
+        return None
+    return hashlib.sha256(_SALT_PREFIX + cache_salt.encode()).digest()
+
+
+def digest_to_int64(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def page_digests(
+    token_ids: Sequence[int], page_size: int, cache_salt: str | None = None, *, prev: bytes | None = None
+) -> list[bytes]:
+    """Raw SHA-256 digests of every *full* page; a trailing partial page is never cached."""
+    out: list[bytes] = []
+    if prev is None:
+        prev = salt_seed(cache_salt)
+    full = len(token_ids) - len(token_ids) % page_size
+    fmt = struct.Struct(f"<{page_size}I")
+    for start in range(0, full, page_size):
+        h = hashlib.sha256()
+        if prev is not None:
+            h.update(prev)
+        h.update(fmt.pack(*token_ids[start : start + page_size]))
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None) -> list[int]:
+    """Signed int64 page hashes exactly as SGLang puts them in BlockStored events."""
+    return [digest_to_int64(d) for d in page_digests(token_ids, page_size, cache_salt)]

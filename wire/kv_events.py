@@ -1,0 +1,106 @@
+"""SGLang KV-cache events (srt/disaggregation/kv_events.py) as msgspec structs.
+
+Frames on the ZMQ PUB socket are ``[topic, seq (8-byte big-endian), msgpack(EventBatch)]``.
+SGLang >= 0.5.20 encodes events as tagged maps (``{"type": "BlockStored", ...}``);
+<= 0.5.19 as tagged arrays (``["BlockStored", ...]``). Both decode here; ``encode_batch``
+writes either form so the simulator can impersonate either version.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal, Union
+
+import msgspec
+
+Medium = Literal["GPU", "CPU_PINNED", "DISK", "EXTERNAL"]
+
+
+class _MapEvent(msgspec.Struct, tag_field="type", omit_defaults=True):
+    pass
+
+
+class BlockStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+    cache_salt: str | None = None
+
+
+class BlockRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = "GPU"
+
+
+class AllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Event]
+    attn_dp_rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    attn_dp_rank: int | None = None
+
+
+_SEQ = struct.Struct(">q")
+_encoder = msgspec.msgpack.Encoder()
+_map_decoder = msgspec.msgpack.Decoder(EventBatch)
+_raw_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def pack_seq(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+def unpack_seq(frame: bytes) -> int:
+    return _SEQ.unpack(frame)[0]
+
+
+def _legacy(event: Event) -> list:
+    if isinstance(event, BlockStored):
+        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
+                event.block_size, event.lora_id, event.medium]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    return ["AllBlocksCleared"]
+
+
+def encode_batch(batch: EventBatch, *, legacy_arrays: bool = False) -> bytes:
+    if not legacy_arrays:
+        return _encoder.encode(batch)
+    return _encoder.encode([batch.ts, [_legacy(e) for e in batch.events], batch.attn_dp_rank])
+
+
+def _from_legacy(raw: list) -> Event:
+    kind = raw[0]
+    if kind == "BlockStored":
+        return BlockStored(raw[1], raw[2], raw[3], raw[4], *(raw[5:7]))
+    if kind == "BlockRemoved":
+        return BlockRemoved(raw[1], *(raw[2:3]))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown KV event {kind!r}")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode either SGLang encoding; unknown event kinds raise ValueError."""
+    try:
+        return _map_decoder.decode(payload)
+    except msgspec.ValidationError:
+        pass
+    raw = _raw_decoder.decode(payload)
+    events = [_from_legacy(_any_decoder.decode(e)) for e in raw.events]
+    return EventBatch(raw.ts, events, raw.attn_dp_rank)
