@@ -1,0 +1,93 @@
+"""Start real processes on 127.0.0.1 and wait for them, with bounded time everywhere.
+
+Every test that needs a gateway, a simulated worker or ``mooncake_master`` goes through
+``Proc`` so that ports never collide between concurrently running suites and no process
+outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def http_status(url: str, timeout: float = 1.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+class Proc:
+    """A child process whose output goes to a temp file (shown when a wait fails)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, name: str = "proc") -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"kvgate-{name}-", suffix=".log", delete=False)
+        self.popen = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, env=env or child_env(),
+            cwd=ROOT, start_new_session=True,
+        )
+
+    @classmethod
+    def python(cls, module: str, *args: str, name: str | None = None, **env: str) -> "Proc":
+        return cls([sys.executable, "-m", module, *args], env=child_env(**env), name=name or module)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_http(self, url: str, timeout: float = 30.0, ok: tuple[int, ...] = (200,)) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.output()[-4000:]}")
+            if http_status(url) in ok:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready at {url} after {timeout}s:\n{self.output()[-4000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.popen.wait(5)
+        self.log.close()
+        return self.popen.returncode
