@@ -1,0 +1,302 @@
+"""The aiohttp application: routes, middleware and lifecycle.
+
+aiohttp.web serves both the proxy and the control plane: one server, one event loop, no
+ASGI translation on the hot path (bench/RESULTS.md has the comparison with
+Starlette+uvicorn that chose it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway import __version__
+from gateway.admission import Admission
+from gateway.auth import bearer_token, key_matches
+from gateway.config import GatewayConfig, WorkerSpec
+from gateway.errors import GatewayError, error_response, from_exception
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy
+from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, parse_body, request_id_from
+from gateway.upstream import make_session
+from gateway.workers import WorkerRegistry
+from policies.loader import load_policy
+from wire.tokenizer import load_tokenizer
+
+log = logging.getLogger("kvgate")
+_json = msgspec.json.encode
+
+ADMIN_PATHS = ("/workers", "/add_worker", "/remove_worker", "/flush_cache", "/abort_request")
+OPEN_PATHS = ("/health", "/readiness", "/liveness", "/metrics", "/openapi.json")
+
+STATE: web.AppKey["GatewayState"] = web.AppKey("kvgate", object)  # type: ignore[arg-type]
+
+
+class GatewayState:
+    """Everything a handler needs, built once at startup."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.metrics = GatewayMetrics()
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.policy = load_policy(cfg.policy, **cfg.policy_options)
+        self.draining = False
+        self.session = None  # created on startup, inside the running loop
+        self.registry: WorkerRegistry
+        self.proxy: Proxy
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
+                                    limit_per_host=cfg.max_connections_per_worker)
+        self.registry = WorkerRegistry(cfg, self.session)
+        self.registry.poll_load = self.policy.needs_engine_load
+        self.registry.listeners.append(self._on_worker_event)
+        self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries)
+        self.metrics.policy_sources.append((cfg.policy, self.policy.stats))
+        await self.policy.start()
+        await asyncio.gather(*(self.registry.add(spec) for spec in cfg.workers))
+        self.registry.start()
+
+    async def stop(self) -> None:
+        await self.registry.stop()
+        await self.policy.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    def _on_worker_event(self, event: str, worker: Any) -> None:
+        self.metrics.healthy.labels(worker.url, worker.view.role).set(1 if worker.view.healthy else 0)
+        if event == "added":
+            self.policy.on_worker_added(worker.view)
+        elif event == "removed":
+            self.policy.on_worker_removed(worker.view)
+            self.metrics.healthy.remove(worker.url, worker.view.role)
+
+
+# --- middleware ---------------------------------------------------------------------------
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    state: GatewayState = request.app[STATE]
+    try:
+        response = await handler(request)
+    except GatewayError as exc:
+        response = from_exception(exc)
+    except web.HTTPRequestEntityTooLarge:
+        response = error_response(413, f"request body exceeds {state.cfg.max_payload_size} bytes",
+                                  code="payload_too_large")
+    except web.HTTPException as exc:
+        response = error_response(exc.status, exc.reason or "error")
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = error_response(500, "internal gateway error", code="internal_error")
+    state.metrics.requests.labels(route, str(response.status)).inc()
+    return response
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    cfg: GatewayConfig = request.app[STATE].cfg
+    path = request.path
+    if path in OPEN_PATHS:
+        return await handler(request)
+    admin = path.startswith(ADMIN_PATHS)
+    keys = (cfg.admin_api_keys or cfg.api_keys) if admin else cfg.api_keys
+    if keys and not key_matches(bearer_token(request.headers.get("Authorization")), keys):
+        raise GatewayError(401, "invalid or missing API key", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+# --- data routes ----------------------------------------------------------------------------
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise GatewayError(413, f"request body exceeds {limit} bytes", code="payload_too_large")
+    return await request.read()
+
+
+def generation_handler(route: str):
+    async def handle(request: web.Request) -> web.StreamResponse:
+        state: GatewayState = request.app[STATE]
+        if state.draining:
+            raise GatewayError(503, "gateway is shutting down", code="shutting_down")
+        raw = await _read_body(request, state.cfg.max_payload_size)
+        body = parse_body(raw, route)
+        if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
+            raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
+                               code="model_not_found", param="model")
+        view = build_view(body, route, request.headers, request_id_from(request.headers), state.tokenizer)
+        state.metrics.queue_depth.set(state.admission.queued)
+        started = time.perf_counter()
+        async with state.admission.slot():
+            response = await state.proxy.forward(request, view, raw)
+        state.metrics.latency.labels(route).observe(time.perf_counter() - started)
+        return response
+
+    return handle
+
+
+async def models(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "sglang"} for m in sorted(state.registry.models())]
+    return web.Response(body=_json({"object": "list", "data": data}), content_type="application/json")
+
+
+async def info_passthrough(request: web.Request) -> web.Response:
+    """``/server_info`` and ``/model_info`` from a healthy worker (decode before prefill in PD)."""
+    state: GatewayState = request.app[STATE]
+    workers = sorted((w for w in state.registry.workers.values() if w.view.healthy),
+                     key=lambda w: {"unified": 0, "decode": 1, "prefill": 2}.get(w.view.role, 3))
+    path = request.path
+    for worker in workers:
+        try:
+            async with state.session.get(worker.url + path, headers=worker.auth_headers()) as resp:
+                if resp.status == 404 and path.startswith("/get_"):
+                    continue
+                return web.Response(status=resp.status, body=await resp.read(),
+                                    content_type=resp.content_type or "application/json")
+        except Exception as exc:
+            worker.last_error = repr(exc)
+    raise GatewayError(503, "no healthy worker available", code="no_worker_available")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(body=_json({"status": "ok", "version": __version__}), content_type="application/json")
+
+
+async def readiness(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    ready = state.registry.ready() and not state.draining
+    healthy = sum(w.view.healthy for w in state.registry.workers.values())
+    body = {"status": "ready" if ready else "not_ready", "healthy_workers": healthy,
+            "total_workers": len(state.registry.workers), "draining": state.draining}
+    return web.Response(status=200 if ready else 503, body=_json(body), content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    for worker in state.registry.workers.values():
+        state.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
+    state.metrics.queue_depth.set(state.admission.queued)
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+# --- admin routes ---------------------------------------------------------------------------
+
+class _AddWorker(msgspec.Struct):
+    url: str
+    role: str = "unified"
+    bootstrap_port: int | None = None
+    api_key: str | None = None
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    return web.Response(body=_json({"workers": [w.describe() for w in state.registry.workers.values()]}),
+                        content_type="application/json")
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    raw = await request.read()
+    try:
+        spec = msgspec.json.decode(raw, type=_AddWorker) if raw.strip() else _AddWorker(url=request.query["url"])
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
+        raise GatewayError(400, f"expected {{'url', 'role', 'bootstrap_port'}}: {exc}") from None
+    if spec.role not in ("unified", "prefill", "decode"):
+        raise GatewayError(400, f"role must be unified, prefill or decode, not {spec.role!r}", param="role")
+    if not spec.url.startswith(("http://", "https://")):
+        raise GatewayError(400, "url must start with http:// or https://", param="url")
+    try:
+        worker = await state.registry.add(WorkerSpec(spec.url, spec.role, spec.bootstrap_port, spec.api_key))
+    except ValueError as exc:
+        raise GatewayError(409, str(exc), code="worker_exists") from None
+    return web.Response(status=201, body=_json(worker.describe()), content_type="application/json")
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    url = request.query.get("url") or request.match_info.get("url", "")
+    try:
+        worker = state.registry.remove(url)
+    except KeyError:
+        raise GatewayError(404, f"no worker {url!r}", code="worker_not_found") from None
+    return web.Response(body=_json(worker.describe()), content_type="application/json")
+
+
+async def _fan_out(state: GatewayState, path: str, body: bytes) -> list[tuple[str, int, bytes]]:
+    async def one(worker):
+        try:
+            async with state.session.post(worker.url + path, data=body, headers={
+                    "Content-Type": "application/json", **worker.auth_headers()}) as resp:
+                return worker.url, resp.status, await resp.read()
+        except Exception as exc:
+            return worker.url, 0, repr(exc).encode()
+
+    return await asyncio.gather(*(one(w) for w in state.registry.workers.values() if w.view.healthy))
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    results = await _fan_out(state, "/abort_request", await request.read())
+    return web.Response(body=_json({"workers": {url: status for url, status, _ in results}}),
+                        content_type="application/json")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    results = await _fan_out(state, "/flush_cache", b"")
+    failed = {url: body.decode(errors="replace") for url, status, body in results if status != 200}
+    body = {"workers": {url: status for url, status, _ in results}, "errors": failed}
+    return web.Response(status=400 if failed else 200, body=_json(body), content_type="application/json")
+
+
+# --- assembly -------------------------------------------------------------------------------
+
+def build_app(cfg: GatewayConfig) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=cfg.max_payload_size)
+    state = GatewayState(cfg)
+    app[STATE] = state
+
+    async def on_startup(_app: web.Application) -> None:
+        await state.start()
+
+    async def on_shutdown(_app: web.Application) -> None:
+        state.draining = True
+
+    async def on_cleanup(_app: web.Application) -> None:
+        await state.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    r = app.router
+    r.add_post(CHAT, generation_handler(CHAT))
+    r.add_post(COMPLETIONS, generation_handler(COMPLETIONS))
+    r.add_post(GENERATE, generation_handler(GENERATE))
+    r.add_get("/v1/models", models)
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        r.add_get(path, info_passthrough)
+    r.add_get("/health", health)
+    r.add_get("/liveness", health)
+    r.add_get("/readiness", readiness)
+    r.add_get("/metrics", metrics)
+    r.add_get("/workers", list_workers)
+    r.add_post("/workers", add_worker)
+    r.add_delete("/workers", remove_worker)
+    r.add_delete("/workers/{url:.+}", remove_worker)
+    r.add_post("/add_worker", add_worker)  # sglang-router's spelling
+    r.add_post("/remove_worker", remove_worker)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/flush_cache", flush_cache)
+    return app

@@ -1,0 +1,196 @@
+"""``kvgate``: one command for the gateway, the simulator and both together.
+
+- ``kvgate serve``: the gateway in front of ``--worker-urls`` (sglang-router's flags).
+- ``kvgate sim``: simulated SGLang workers as real processes.
+- ``kvgate up``: simulated workers plus the gateway in front of them (the default demo).
+- ``kvgate policies``: list the routing policies this install can load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from gateway.config import GatewayConfig, WorkerSpec, load_yaml, workers_from_mapping
+
+log = logging.getLogger("kvgate")
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    import yaml
+
+    return key.strip().replace("-", "_"), yaml.safe_load(value)
+
+
+def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -> None:
+    g = p.add_argument_group("gateway")
+    g.add_argument("--config", help="YAML file with any of the options below (flags override it)")
+    g.add_argument("--host")
+    g.add_argument("--port", type=int)
+    if with_workers:
+        g.add_argument("--worker-urls", nargs="*", default=None, metavar="URL")
+    g.add_argument("--policy", help="built-in name, entry point in 'kvgate.policies', or module:Class")
+    g.add_argument("--policy-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
+                   help="option passed to the policy's constructor (repeatable)")
+    g.add_argument("--api-key", action="append", default=None, help="client API key (repeatable)")
+    g.add_argument("--api-key-file", help="file with one client API key per line")
+    g.add_argument("--admin-api-key", action="append", default=None, help="key for admin routes (defaults to --api-key)")
+    g.add_argument("--worker-api-key", help="Bearer key sent to workers")
+    g.add_argument("--max-concurrent-requests", type=int)
+    g.add_argument("--queue-size", type=int)
+    g.add_argument("--queue-timeout-secs", type=float)
+    g.add_argument("--request-timeout-secs", type=float)
+    g.add_argument("--max-payload-size", type=int)
+    g.add_argument("--max-retries", type=int)
+    g.add_argument("--health-check-interval-secs", type=float)
+    g.add_argument("--health-check-timeout-secs", type=float)
+    g.add_argument("--health-failure-threshold", type=int)
+    g.add_argument("--health-success-threshold", type=int)
+    g.add_argument("--cb-failure-threshold", type=int)
+    g.add_argument("--cb-timeout-secs", type=float)
+    g.add_argument("--load-poll-interval-secs", type=float)
+    g.add_argument("--tokenizer", help="'byte' (the simulator's) or a tokenizer.json path, for precise routing")
+    g.add_argument("--shutdown-grace-secs", type=float)
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] | None = None) -> GatewayConfig:
+    data: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
+    workers = workers_from_mapping(data)
+    known = {f.name for f in fields(GatewayConfig)}
+    for name in known:
+        value = getattr(args, name, None)
+        if value is not None and name not in ("policy_options", "api_keys", "admin_api_keys", "workers"):
+            data[name] = value
+    data["policy_options"] = {**data.get("policy_options", {}), **dict(args.policy_option)}
+    keys = list(data.get("api_keys", [])) + list(args.api_key or [])
+    if args.api_key_file:
+        keys += [k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()]
+    data["api_keys"] = keys
+    data["admin_api_keys"] = list(data.get("admin_api_keys", [])) + list(args.admin_api_key or [])
+    workers += [WorkerSpec(url=u) for u in (getattr(args, "worker_urls", None) or [])]
+    workers += extra_workers or []
+    data["workers"] = workers
+    return GatewayConfig(**data)
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # uvloop is optional off Linux/macOS
+        pass
+
+
+async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
+    from aiohttp import web
+
+    from gateway.app import build_app
+
+    app = build_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.shutdown_grace_secs)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
+    await site.start()
+    log.info("kvgate listening on http://%s:%d (policy=%s, workers=%d)", cfg.host, cfg.port, cfg.policy, len(cfg.workers))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests (grace %gs)", cfg.shutdown_grace_secs)
+    await runner.cleanup()
+
+
+def serve(cfg: GatewayConfig) -> int:
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _install_uvloop()
+    asyncio.run(serve_async(cfg))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    return serve(cfg)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from simulator.cluster import SimCluster
+
+    engine_args = list(args.engine_arg or [])
+    if args.profile:
+        engine_args += ["--profile", args.profile]
+    if args.time_scale:
+        engine_args += ["--time-scale", str(args.time_scale)]
+    cluster = SimCluster(workers=args.workers, host="127.0.0.1", engine_args=engine_args)
+    cluster.start()
+    try:
+        specs = [WorkerSpec(url=u) for u in cluster.urls]
+        cfg = config_from_args(args, extra_workers=specs)
+        print(f"kvgate up: {len(specs)} simulated workers: {' '.join(cluster.urls)}", flush=True)
+        print(f"kvgate up: gateway on http://{cfg.host}:{cfg.port}  (try: curl http://{cfg.host}:{cfg.port}/v1/models)",
+              flush=True)
+        return serve(cfg)
+    finally:
+        cluster.stop()
+
+
+def cmd_sim(argv: list[str]) -> int:
+    from simulator.cli import main as sim_main
+
+    return sim_main(argv)
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from policies.loader import available_policies
+
+    for name, target in sorted(available_policies().items()):
+        print(f"{name:20s} {target}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the gateway in front of existing workers")
+    add_gateway_args(p_serve)
+    p_serve.set_defaults(func=cmd_serve)
+    p_up = sub.add_parser("up", help="start simulated workers and the gateway in front of them")
+    add_gateway_args(p_up)
+    p_up.add_argument("--workers", type=int, default=4, help="simulated workers to start")
+    p_up.add_argument("--profile", help="simulator timing profile")
+    p_up.add_argument("--time-scale", type=float, help="simulator time compression factor")
+    p_up.add_argument("--engine-arg", action="append", help="extra argument for each simulated worker (repeatable)")
+    p_up.set_defaults(func=cmd_up)
+    sub.add_parser("sim", help="start simulated SGLang workers (see 'kvgate sim --help')", add_help=False)
+    p_pol = sub.add_parser("policies", help="list routing policies")
+    p_pol.set_defaults(func=cmd_policies)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":
+        return cmd_sim(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Gateway configuration: one dataclass, filled from CLI flags and/or a YAML file.
+
+Flag names follow sglang-router's where it has one, so a deployment can switch routers
+by changing the binary name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    url: str
+    role: str = "unified"  # unified | prefill | decode
+    bootstrap_port: int | None = None
+    api_key: str | None = None
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    workers: list[WorkerSpec] = field(default_factory=list)
+    policy: str = "round_robin"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    # PD disaggregation (see gateway.pd)
+    pd_disaggregation: bool = False
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    # auth
+    api_keys: list[str] = field(default_factory=list)
+    admin_api_keys: list[str] = field(default_factory=list)
+    worker_api_key: str | None = None
+    # admission
+    max_concurrent_requests: int = 0  # 0: unlimited
+    queue_size: int = 100
+    queue_timeout_secs: float = 60.0
+    max_payload_size: int = 256 * 1024 * 1024
+    # upstream
+    request_timeout_secs: float = 1800.0
+    connect_timeout_secs: float = 5.0
+    max_retries: int = 2
+    max_connections_per_worker: int = 0  # 0: unlimited (aiohttp limit_per_host)
+    # health and breaker
+    health_check_interval_secs: float = 5.0
+    health_check_timeout_secs: float = 5.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    cb_failure_threshold: int = 5
+    cb_timeout_secs: float = 10.0
+    load_poll_interval_secs: float = 0.5
+    # routing inputs
+    tokenizer: str | None = None  # "byte" for the simulator, or a tokenizer.json path
+    strict_models: bool = True  # unknown model -> 404
+    shutdown_grace_secs: float = 30.0
+    log_level: str = "info"
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at top level")
+    known = {f.name for f in fields(GatewayConfig)}
+    unknown = set(data) - known - {"worker_urls", "prefill", "decode"}
+    if unknown:
+        raise ValueError(f"{path}: unknown config keys: {', '.join(sorted(unknown))}")
+    return data
+
+
+def workers_from_mapping(data: dict[str, Any]) -> list[WorkerSpec]:
+    """Accept ``worker_urls``/``prefill``/``decode`` shorthands next to full ``workers`` entries."""
+    out = [WorkerSpec(**w) if isinstance(w, dict) else WorkerSpec(url=w) for w in data.pop("workers", [])]
+    out += [WorkerSpec(url=u) for u in data.pop("worker_urls", [])]
+    for p in data.pop("prefill", []):
+        url, port = (p, None) if isinstance(p, str) else (p["url"], p.get("bootstrap_port"))
+        out.append(WorkerSpec(url=url, role="prefill", bootstrap_port=port))
+    out += [WorkerSpec(url=u if isinstance(u, str) else u["url"], role="decode") for u in data.pop("decode", [])]
+    return out

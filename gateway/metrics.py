@@ -1,0 +1,47 @@
+"""Prometheus metrics for the gateway, in a registry of its own (several apps per process in tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _PolicyCollector:
+    """Exports whatever numbers the policies report through ``Policy.stats()`` at scrape time."""
+
+    def __init__(self, sources: Callable[[], Iterable[tuple[str, Mapping[str, float]]]]) -> None:
+        self.sources = sources
+
+    def collect(self):
+        fam = GaugeMetricFamily("kvgate_policy_stat", "Numbers reported by routing policies", labels=["policy", "stat"])
+        for policy, stats in self.sources():
+            for name, value in stats.items():
+                fam.add_metric([policy, name], float(value))
+        yield fam
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvgate_requests_total", "Requests answered, by route and status", ["route", "status"], registry=r)
+        self.routed = Counter("kvgate_routed_total", "Upstream attempts, by worker", ["worker"], registry=r)
+        self.upstream_errors = Counter("kvgate_upstream_errors_total", "Upstream failures", ["worker", "kind"], registry=r)
+        self.retries = Counter("kvgate_retries_total", "Requests re-sent to another worker before the first byte", registry=r)
+        self.latency = Histogram("kvgate_request_duration_seconds", "Time to the last byte", ["route"], buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("kvgate_time_to_first_byte_seconds", "Time to the first streamed byte", ["route"], buckets=_LATENCY, registry=r)
+        self.in_flight = Gauge("kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r)
+        self.healthy = Gauge("kvgate_worker_healthy", "1 when the worker passes health checks", ["worker", "role"], registry=r)
+        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
+        self.rejected = Counter("kvgate_rejected_total", "Requests refused by admission or validation", ["reason"], registry=r)
+        self.prompt_tokens = Counter("kvgate_prompt_tokens_total", "Prompt tokens reported by engines", registry=r)
+        self.cached_tokens = Counter("kvgate_cached_tokens_total", "Cached prompt tokens reported by engines", registry=r)
+        self.predicted_cached = Counter("kvgate_predicted_cached_tokens_total", "Cached tokens the policy predicted", registry=r)
+        self.policy_sources: list[tuple[str, Callable[[], Mapping[str, float]]]] = []
+        r.register(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

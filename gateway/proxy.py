@@ -1,0 +1,255 @@
+"""The hot path: pick a worker, forward the original bytes, pass the answer back.
+
+Retries pick another worker only while nothing has reached the client: the first chunk
+of a stream is read from upstream *before* the client's headers are sent, so a worker
+that dies before its first token costs a retry, not an error. After that, an upstream
+failure ends the stream with one valid JSON error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from gateway.errors import GatewayError, sse_error_frame
+from gateway.metrics import GatewayMetrics
+from gateway.workers import Worker, WorkerRegistry
+from policies.base import Choice, NoWorkerAvailable, Outcome, Policy, RequestView, WorkerView
+
+log = logging.getLogger("kvgate.proxy")
+
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+_TAIL_BYTES = 16384
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Meta(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class _Result(msgspec.Struct):
+    usage: _Usage | None = None
+    meta_info: _Meta | None = None
+
+
+_result_decoder = msgspec.json.Decoder(_Result | list[_Result])
+
+
+def outcome_from_json(data: bytes, status: int) -> Outcome:
+    """Token accounting from an OpenAI ``usage`` or SGLang ``meta_info`` (summed over a batch)."""
+    out = Outcome(ok=status < 400, status=status)
+    try:
+        decoded = _result_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return out
+    for r in decoded if isinstance(decoded, list) else [decoded]:
+        if r.usage is not None:
+            u = r.usage
+            prompt, completion = u.prompt_tokens, u.completion_tokens
+            cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else None
+        elif r.meta_info is not None:
+            prompt, completion, cached = r.meta_info.prompt_tokens, r.meta_info.completion_tokens, r.meta_info.cached_tokens
+        else:
+            continue
+        if prompt is not None:
+            out.prompt_tokens = (out.prompt_tokens or 0) + prompt
+        if completion is not None:
+            out.completion_tokens = (out.completion_tokens or 0) + completion
+        if cached is not None:
+            out.cached_tokens = (out.cached_tokens or 0) + cached
+    return out
+
+
+def outcome_from_sse_tail(tail: bytes, status: int) -> Outcome:
+    """The last event carrying usage/meta_info holds the final counts (SGLang's are cumulative)."""
+    for event in reversed(tail.split(b"\n\n")):
+        event = event.strip()
+        if event.startswith(b"data: {") and (b'"usage"' in event or b'"meta_info"' in event):
+            out = outcome_from_json(event[6:], status)
+            if out.prompt_tokens is not None:
+                return out
+    return Outcome(ok=status < 400, status=status)
+
+
+def upstream_headers(request: web.Request, request_id: str, worker: Worker) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
+    for name in ("Accept", "traceparent", "tracestate"):
+        value = request.headers.get(name)
+        if value:
+            headers[name] = value
+    headers.update(worker.auth_headers())
+    return headers
+
+
+async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView]) -> Choice:
+    choice = policy.select(view, workers)
+    if inspect.isawaitable(choice):
+        choice = await choice
+    return choice  # type: ignore[return-value]
+
+
+class Proxy:
+    def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, max_retries: int) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.session = session
+        self.metrics = metrics
+        self.max_retries = max_retries
+
+    async def forward(self, request: web.Request, view: RequestView, raw: bytes) -> web.StreamResponse:
+        tried: list[str] = []
+        last_failure: tuple[int, bytes, str] | None = None
+        for attempt in range(self.max_retries + 1):
+            candidates = self.registry.candidates(view.model, exclude=tried)
+            if not candidates:
+                break
+            try:
+                choice = await select(self.policy, view, [w.view for w in candidates])
+            except NoWorkerAvailable:
+                break
+            worker = self.registry.workers.get(choice.worker.url)
+            if worker is None:
+                raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
+            tried.append(worker.url)
+            if attempt:
+                self.metrics.retries.inc()
+            result = await self._attempt(request, view, raw, worker, choice)
+            if isinstance(result, web.StreamResponse):
+                return result
+            last_failure = result
+        if last_failure is not None and last_failure[0] >= 400:
+            status, body, ctype = last_failure
+            return web.Response(status=status, body=body, content_type=ctype,
+                                headers={"X-Request-ID": view.request_id})
+        if tried:
+            raise GatewayError(502, f"all upstream attempts failed ({', '.join(tried)})", code="upstream_unavailable")
+        raise GatewayError(503, "no healthy worker available" + (f" for model {view.model!r}" if view.model else ""),
+                           code="no_worker_available")
+
+    def _failed(self, worker: Worker, kind: str, detail: str) -> tuple[int, bytes, str]:
+        worker.breaker.record_failure()
+        worker.last_error = detail
+        self.metrics.upstream_errors.labels(worker.url, kind).inc()
+        log.warning("upstream %s failed (%s): %s", worker.url, kind, detail)
+        return (0, b"", "")
+
+    async def _attempt(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker,
+                       choice: Choice) -> web.StreamResponse | tuple[int, bytes, str]:
+        """A response for the client, or the failure (status, body, type) to retry past."""
+        wv = worker.view
+        wv.in_flight += 1
+        worker.breaker.on_attempt()
+        self.metrics.routed.labels(worker.url).inc()
+        self.policy.on_routed(view, wv)
+        outcome = Outcome(ok=False, status=0, error="cancelled")
+        upstream: aiohttp.ClientResponse | None = None
+        started = time.perf_counter()
+        try:
+            try:
+                upstream = await self.session.post(worker.url + view.route, data=raw,
+                                                   headers=upstream_headers(request, view.request_id, worker))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                outcome.error = repr(exc)
+                return self._failed(worker, "connect", repr(exc))
+            ctype = upstream.headers.get("Content-Type", "application/json")
+            if upstream.status in RETRYABLE_STATUS:
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    body = b""
+                outcome = Outcome(ok=False, status=upstream.status, error=body[:200].decode(errors="replace"))
+                self._failed(worker, f"http_{upstream.status}", outcome.error or "")
+                return (upstream.status, body, ctype.split(";")[0])
+            if ctype.startswith("text/event-stream"):
+                response, outcome = await self._stream(request, view, worker, upstream, started)
+                return response
+            try:
+                body = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                outcome.error = repr(exc)
+                return self._failed(worker, "read", repr(exc))
+            worker.breaker.record_success()
+            outcome = outcome_from_json(body, upstream.status)
+            self.policy.on_first_token(view, wv)
+            return web.Response(status=upstream.status, body=body, content_type=ctype.split(";")[0],
+                                headers={"X-Request-ID": view.request_id})
+        finally:
+            wv.in_flight -= 1
+            if upstream is not None:
+                upstream.close()  # idempotent after a full read; drops the connection otherwise
+            if outcome.prompt_tokens:
+                self.metrics.prompt_tokens.inc(outcome.prompt_tokens)
+                if outcome.cached_tokens is not None:
+                    self.metrics.cached_tokens.inc(outcome.cached_tokens)
+                    if choice.predicted_cached_tokens is not None:
+                        self.metrics.predicted_cached.inc(choice.predicted_cached_tokens)
+            self.policy.on_complete(view, wv, outcome)
+
+    async def _stream(self, request: web.Request, view: RequestView, worker: Worker,
+                      upstream: aiohttp.ClientResponse, started: float) -> tuple[web.StreamResponse | tuple, Outcome]:
+        chunks = upstream.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return self._failed(worker, "stream_start", repr(exc)), Outcome(ok=False, error=repr(exc))
+        response = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "X-Request-ID": view.request_id,
+        })
+        await response.prepare(request)
+        self.metrics.ttft.labels(view.route).observe(time.perf_counter() - started)
+        self.policy.on_first_token(view, worker.view)
+        tail = first[-_TAIL_BYTES:]
+        chunk = first
+        failure: str | None = None
+        while True:
+            if chunk:
+                try:
+                    await response.write(chunk)
+                except (ConnectionResetError, ConnectionError, RuntimeError):
+                    return response, Outcome(ok=False, status=499, error="client disconnected")
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                failure = repr(exc) or type(exc).__name__
+                break
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+        if failure is not None:
+            self._failed(worker, "mid_stream", failure)
+            try:
+                await response.write(sse_error_frame(f"upstream {worker.url} failed mid-stream: {failure}"))
+                await response.write_eof()
+            except (ConnectionResetError, ConnectionError, RuntimeError):
+                pass
+            return response, Outcome(ok=False, status=502, error=failure)
+        worker.breaker.record_success()
+        try:
+            await response.write_eof()
+        except (ConnectionResetError, ConnectionError, RuntimeError):
+            pass
+        return response, outcome_from_sse_tail(tail, upstream.status)

@@ -1,0 +1,135 @@
+"""Read the few fields routing needs from a request body, without touching the rest.
+
+The body is decoded once with msgspec into a struct that names only these fields (msgspec
+skips the others without building them); the original bytes are what goes upstream, so no
+engine field can be lost or reordered.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from gateway.errors import GatewayError
+from policies.base import RequestView
+from wire.chat_template import apply_chat_template
+from wire.tokenizer import Tokenizer
+
+CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
+
+
+class _Message(msgspec.Struct):
+    role: str = "user"
+    content: Any = None
+
+
+class _Sampling(msgspec.Struct):
+    max_new_tokens: int | None = None
+
+
+class Body(msgspec.Struct):
+    model: str | None = None
+    stream: bool = False
+    messages: list[_Message] | None = None
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked in parse_body
+    text: str | list[str] | None = None
+    input_ids: Any = None  # list[int] | list[list[int]]: checked in parse_body
+    sampling_params: _Sampling | list[_Sampling] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    rid: str | list[str] | None = None
+    logprobs: bool | int | None = None
+    return_logprob: bool | list[bool] | None = None
+    n: int | None = None
+
+
+_decoder = msgspec.json.Decoder(Body)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    return all(isinstance(p, str) for p in prompt) or _is_ids(prompt) or all(_is_ids(p) and p for p in prompt)
+
+
+def parse_body(raw: bytes, route: str) -> Body:
+    if not raw.strip():
+        raise GatewayError(400, "request body is empty; expected a JSON object")
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise GatewayError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise GatewayError(400, f"malformed JSON: {exc}") from None
+    if route == CHAT:
+        if not body.model:
+            raise GatewayError(400, "'model' is required", param="model")
+        if not body.messages:
+            raise GatewayError(400, "'messages' must be a non-empty list", param="messages")
+    elif route == COMPLETIONS:
+        if not body.model:
+            raise GatewayError(400, "'model' is required", param="model")
+        if not _valid_prompt(body.prompt):
+            raise GatewayError(400, "'prompt' must be a string, a list of strings, or token ids", param="prompt")
+    elif (body.text is None) == (body.input_ids is None):
+        raise GatewayError(400, "exactly one of 'text' or 'input_ids' is required", param="text")
+    elif body.input_ids is not None and not (_is_ids(body.input_ids) and body.input_ids
+                                             or _valid_prompt(body.input_ids) and not isinstance(body.input_ids, str)):
+        raise GatewayError(400, "'input_ids' must be a list of token ids or a list of such lists", param="input_ids")
+    return body
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and value else value
+
+
+def build_view(body: Body, route: str, headers: Any, request_id: str, tokenizer: Tokenizer | None) -> RequestView:
+    text: str | None = None
+    token_ids: list[int] | None = None
+    if route == CHAT:
+        text = apply_chat_template(msgspec.to_builtins(body.messages))
+    elif route == COMPLETIONS:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            token_ids = prompt  # type: ignore[assignment]
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            token_ids = prompt[0]  # type: ignore[assignment]
+        else:
+            text = _first(prompt)
+    else:
+        if body.input_ids is not None:
+            ids = body.input_ids
+            token_ids = ids[0] if ids and isinstance(ids[0], list) else ids  # type: ignore[assignment]
+        else:
+            text = _first(body.text)
+    if token_ids is None and text is not None and tokenizer is not None:
+        token_ids = tokenizer.encode(text)
+    sp = _first(body.sampling_params)
+    max_tokens = body.max_tokens or body.max_completion_tokens or (sp.max_new_tokens if sp else None)
+    return RequestView(
+        request_id=request_id,
+        route=route,
+        model=body.model,
+        text=text,
+        token_ids=token_ids,
+        session_key=headers.get("X-Session-ID") or body.user,
+        stream=body.stream,
+        max_tokens=max_tokens,
+        cache_salt=body.cache_salt,
+        headers=headers,
+    )
+
+
+def request_id_from(headers: Any) -> str:
+    rid = headers.get("X-Request-ID")
+    return rid if rid and len(rid) <= 256 else uuid.uuid4().hex

@@ -1,0 +1,216 @@
+"""The worker registry: who is out there, whether they are healthy, and how loaded.
+
+Each ``Worker`` owns one ``WorkerView`` that policies read; the registry mutates it in
+place (in-flight, load, health) so routing never copies snapshots on the hot path.
+Background loops probe ``/health`` with failure/success thresholds and, when the policy
+asks for it, poll ``/v1/loads`` (falling back to ``/get_load`` on older SGLang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from gateway.circuit import CircuitBreaker
+from gateway.config import GatewayConfig, WorkerSpec
+from policies.base import EngineLoad, WorkerView
+
+log = logging.getLogger("kvgate.workers")
+_json = msgspec.json.Decoder()
+
+
+class _Loads(msgspec.Struct):
+    loads: list[dict[str, Any]] = []
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, cfg: GatewayConfig) -> None:
+        self.spec = spec
+        self.url = spec.url.rstrip("/")
+        self.view = WorkerView(url=self.url, role=spec.role, bootstrap_port=spec.bootstrap_port, healthy=False)
+        self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_timeout_secs)
+        self.api_key = spec.api_key or cfg.worker_api_key
+        self.fail_streak = 0
+        self.ok_streak = 0
+        self.last_error: str | None = None
+        self.load_endpoint: str | None = "/v1/loads"
+        self.draining = False
+
+    @property
+    def available(self) -> bool:
+        return self.view.healthy and not self.draining and self.breaker.allows()
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def describe(self) -> dict[str, Any]:
+        v = self.view
+        return {
+            "url": self.url, "role": v.role, "bootstrap_port": v.bootstrap_port, "healthy": v.healthy,
+            "models": sorted(v.models), "in_flight": v.in_flight, "circuit": self.breaker.state,
+            "load": msgspec.to_builtins(v.load) if v.load else None, "last_error": self.last_error,
+        }
+
+
+def parse_loads(payload: Any) -> EngineLoad:
+    """Sum per-DP-rank load from either ``/v1/loads`` (>= 0.5.10) or ``/get_load`` (<= 0.5.20)."""
+    load = EngineLoad(timestamp=time.monotonic())
+    ranks = payload.get("loads", []) if isinstance(payload, dict) else payload
+    for r in ranks or []:
+        load.running += int(r.get("num_running_reqs", r.get("num_reqs", 0)) or 0)
+        load.waiting += int(r.get("num_waiting_reqs", 0) or 0)
+        load.used_tokens += int(r.get("num_used_tokens", r.get("num_tokens", 0)) or 0)
+        load.max_tokens += int(r.get("max_total_num_tokens", 0) or 0)
+    if isinstance(payload, list):  # /get_load counts waiting inside num_reqs
+        load.running = max(0, load.running - load.waiting)
+    return load
+
+
+class WorkerRegistry:
+    def __init__(self, cfg: GatewayConfig, session: aiohttp.ClientSession) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.workers: dict[str, Worker] = {}
+        self.listeners: list[Callable[[str, Worker], None]] = []  # ("added"|"removed"|"health", worker)
+        self.poll_load = False
+        self._tasks: list[asyncio.Task] = []
+        self._probe_timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout_secs)
+
+    # --- membership -------------------------------------------------------------------
+    async def add(self, spec: WorkerSpec) -> Worker:
+        url = spec.url.rstrip("/")
+        if url in self.workers:
+            raise ValueError(f"worker {url} is already registered")
+        worker = Worker(spec, self.cfg)
+        self.workers[url] = worker
+        await self._discover(worker)
+        await self.check_health(worker, initial=True)
+        self._emit("added", worker)
+        log.info("worker added: %s role=%s healthy=%s models=%s", url, spec.role, worker.view.healthy,
+                 sorted(worker.view.models))
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        worker = self.workers.pop(url.rstrip("/"))
+        worker.draining = True
+        self._emit("removed", worker)
+        log.info("worker removed: %s", url)
+        return worker
+
+    def _emit(self, event: str, worker: Worker) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event, worker)
+            except Exception:  # a listener bug must not take the registry down
+                log.exception("worker listener failed on %s", event)
+
+    # --- selection inputs -----------------------------------------------------------------
+    def candidates(self, model: str | None, role: str = "unified", exclude: Iterable[str] = ()) -> list[Worker]:
+        excluded = set(exclude)
+        return [
+            w for w in self.workers.values()
+            if w.view.role == role and w.available and w.url not in excluded
+            and (model is None or not w.view.models or model in w.view.models)
+        ]
+
+    def models(self) -> set[str]:
+        return {m for w in self.workers.values() if w.view.healthy for m in w.view.models}
+
+    def knows_model(self, model: str) -> bool:
+        all_models = {m for w in self.workers.values() for m in w.view.models}
+        return not all_models or model in all_models
+
+    def ready(self) -> bool:
+        if self.cfg.pd_disaggregation:
+            roles = {w.view.role for w in self.workers.values() if w.view.healthy}
+            return {"prefill", "decode"} <= roles
+        return any(w.view.healthy for w in self.workers.values())
+
+    # --- probes ---------------------------------------------------------------------------
+    async def _get_json(self, worker: Worker, path: str) -> Any:
+        async with self.session.get(worker.url + path, headers=worker.auth_headers(),
+                                    timeout=self._probe_timeout) as resp:
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            return _json.decode(await resp.read())
+
+    async def _discover(self, worker: Worker) -> None:
+        """Read server info and served models once; a worker still starting is retried by health checks."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = await self._get_json(worker, path)
+                worker.view.server_info = info if isinstance(info, dict) else {}
+                break
+            except Exception:
+                continue
+        try:
+            models = await self._get_json(worker, "/v1/models")
+            worker.view.models = frozenset(m["id"] for m in models.get("data", []) if "id" in m)
+        except Exception as exc:
+            worker.last_error = f"model discovery failed: {exc!r}"
+        if worker.view.role == "prefill" and worker.view.bootstrap_port is None:
+            port = worker.view.server_info.get("disaggregation_bootstrap_port")
+            worker.view.bootstrap_port = int(port) if port else None
+
+    async def check_health(self, worker: Worker, initial: bool = False) -> bool:
+        try:
+            async with self.session.get(worker.url + "/health", headers=worker.auth_headers(),
+                                        timeout=self._probe_timeout) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except Exception as exc:
+            ok = False
+            worker.last_error = f"health check: {exc!r}"
+        was = worker.view.healthy
+        if ok:
+            worker.fail_streak = 0
+            worker.ok_streak += 1
+            if not was and (initial or worker.ok_streak >= self.cfg.health_success_threshold):
+                worker.view.healthy = True
+                worker.breaker.record_success()
+                if not worker.view.models:
+                    await self._discover(worker)
+        else:
+            worker.ok_streak = 0
+            worker.fail_streak += 1
+            if was and worker.fail_streak >= self.cfg.health_failure_threshold:
+                worker.view.healthy = False
+        if was != worker.view.healthy:
+            log.warning("worker %s is now %s", worker.url, "healthy" if worker.view.healthy else "unhealthy")
+            self._emit("health", worker)
+        return worker.view.healthy
+
+    async def poll_load_once(self, worker: Worker) -> None:
+        if worker.load_endpoint is None:
+            return
+        try:
+            worker.view.load = parse_loads(await self._get_json(worker, worker.load_endpoint))
+        except aiohttp.ClientResponseError as exc:
+            if exc.status == 404:  # older SGLang: only /get_load; newer: only /v1/loads
+                worker.load_endpoint = "/get_load" if worker.load_endpoint == "/v1/loads" else None
+        except Exception:
+            pass
+
+    async def _loop(self, interval: float, fn: Callable[[Worker], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            workers = list(self.workers.values())
+            if workers:
+                await asyncio.gather(*(fn(w) for w in workers), return_exceptions=True)
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._loop(self.cfg.health_check_interval_secs, self.check_health)))
+        if self.poll_load:
+            self._tasks.append(asyncio.create_task(self._loop(self.cfg.load_poll_interval_secs, self.poll_load_once)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
