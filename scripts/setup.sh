@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything kvgate needs on a fresh Debian/Ubuntu machine into ./.venv:
+# the Debian libraries Mooncake's CPU wheel loads at import time, then the project with
+# its test extras. Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+DEB_PKGS="libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200"
+
+missing=""
+if command -v dpkg-query >/dev/null 2>&1; then
+  for p in $DEB_PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+  done
+fi
+if [ -n "$missing" ]; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  echo "setup: installing Debian packages:$missing"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "setup: ready (.venv/bin/kvgate)"
