@@ -91,3 +91,42 @@ class Proc:
                 self.popen.wait(5)
         self.log.close()
         return self.popen.returncode
+
+
+def request_json(method: str, url: str, body: object | None = None, headers: dict[str, str] | None = None,
+                 timeout: float = 30.0) -> tuple[int, object]:
+    """One HTTP call; returns (status, decoded JSON or raw text)."""
+    import json
+
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample across series whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, labelpart = head.partition("{")
+        if series != name:
+            continue
+        if all(f'{k}="{v}"' in labelpart for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def get_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
