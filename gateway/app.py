@@ -21,10 +21,12 @@ from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.metrics import GatewayMetrics
+from gateway.pd import PDProxy, pd_policies
 from gateway.proxy import Proxy
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, parse_body, request_id_from
 from gateway.upstream import make_session
 from gateway.workers import WorkerRegistry
+from policies.base import Policy
 from policies.loader import load_policy
 from wire.tokenizer import load_tokenizer
 
@@ -46,6 +48,11 @@ class GatewayState:
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.policy = load_policy(cfg.policy, **cfg.policy_options)
+        # One policy per worker role: unified workers use the main policy; in PD mode the
+        # prefill side defaults to it (prefix hits live on prefill) and decode to least load.
+        self.policies: dict[str, Policy] = {"unified": self.policy}
+        if cfg.pd_disaggregation:
+            self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
         self.draining = False
         self.session = None  # created on startup, inside the running loop
         self.registry: WorkerRegistry
@@ -56,26 +63,37 @@ class GatewayState:
         self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
                                     limit_per_host=cfg.max_connections_per_worker)
         self.registry = WorkerRegistry(cfg, self.session)
-        self.registry.poll_load = self.policy.needs_engine_load
+        unique = list({id(p): p for p in self.policies.values()}.values())
+        self.registry.poll_load = any(p.needs_engine_load for p in unique)
         self.registry.listeners.append(self._on_worker_event)
-        self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries)
-        self.metrics.policy_sources.append((cfg.policy, self.policy.stats))
-        await self.policy.start()
+        if cfg.pd_disaggregation:
+            self.proxy = PDProxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
+                                 prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"])
+        else:
+            self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries)
+        for role, policy in self.policies.items():
+            self.metrics.policy_sources.append((f"{role}:{policy.name}", policy.stats))
+        for policy in unique:
+            await policy.start()
         await asyncio.gather(*(self.registry.add(spec) for spec in cfg.workers))
         self.registry.start()
 
     async def stop(self) -> None:
         await self.registry.stop()
-        await self.policy.stop()
+        for policy in {id(p): p for p in self.policies.values()}.values():
+            await policy.stop()
         if self.session is not None:
             await self.session.close()
 
     def _on_worker_event(self, event: str, worker: Any) -> None:
         self.metrics.healthy.labels(worker.url, worker.view.role).set(1 if worker.view.healthy else 0)
+        policy = self.policies.get(worker.view.role)
+        if policy is None:
+            return
         if event == "added":
-            self.policy.on_worker_added(worker.view)
+            policy.on_worker_added(worker.view)
         elif event == "removed":
-            self.policy.on_worker_removed(worker.view)
+            policy.on_worker_removed(worker.view)
             self.metrics.healthy.remove(worker.url, worker.view.role)
 
 
@@ -139,7 +157,7 @@ def generation_handler(route: str):
         state.metrics.queue_depth.set(state.admission.queued)
         started = time.perf_counter()
         async with state.admission.slot():
-            response = await state.proxy.forward(request, view, raw)
+            response = await state.proxy.forward(request, view, raw, body)
         state.metrics.latency.labels(route).observe(time.perf_counter() - started)
         return response
 

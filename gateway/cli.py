@@ -39,6 +39,13 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     if with_workers:
         g.add_argument("--worker-urls", nargs="*", default=None, metavar="URL")
     g.add_argument("--policy", help="built-in name, entry point in 'kvgate.policies', or module:Class")
+    g.add_argument("--pd-disaggregation", action="store_true", default=None,
+                   help="pair prefill and decode workers (sglang-router's PD mode)")
+    g.add_argument("--prefill", action="append", nargs="+", metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="prefill worker URL and optional bootstrap port or 'none' (repeatable)")
+    g.add_argument("--decode", action="append", nargs=1, metavar="URL", help="decode worker URL (repeatable)")
+    g.add_argument("--prefill-policy", help="policy for the prefill leg (default: --policy)")
+    g.add_argument("--decode-policy", help="policy for the decode leg (default: least_load)")
     g.add_argument("--policy-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                    help="option passed to the policy's constructor (repeatable)")
     g.add_argument("--api-key", action="append", default=None, help="client API key (repeatable)")
@@ -78,6 +85,13 @@ def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] |
     data["api_keys"] = keys
     data["admin_api_keys"] = list(data.get("admin_api_keys", [])) + list(args.admin_api_key or [])
     workers += [WorkerSpec(url=u) for u in (getattr(args, "worker_urls", None) or [])]
+    for item in getattr(args, "prefill", None) or []:
+        if len(item) > 2:
+            raise SystemExit(f"--prefill takes URL [BOOTSTRAP_PORT], got {item}")
+        port = item[1] if len(item) == 2 else None
+        workers.append(WorkerSpec(url=item[0], role="prefill",
+                                  bootstrap_port=None if port in (None, "none") else int(port)))
+    workers += [WorkerSpec(url=item[0], role="decode") for item in getattr(args, "decode", None) or []]
     workers += extra_workers or []
     data["workers"] = workers
     return GatewayConfig(**data)

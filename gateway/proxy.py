@@ -115,7 +115,7 @@ class Proxy:
         self.metrics = metrics
         self.max_retries = max_retries
 
-    async def forward(self, request: web.Request, view: RequestView, raw: bytes) -> web.StreamResponse:
+    async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: object = None) -> web.StreamResponse:
         tried: list[str] = []
         last_failure: tuple[int, bytes, str] | None = None
         for attempt in range(self.max_retries + 1):
@@ -205,14 +205,18 @@ class Proxy:
             self.policy.on_complete(view, wv, outcome)
 
     async def _stream(self, request: web.Request, view: RequestView, worker: Worker,
-                      upstream: aiohttp.ClientResponse, started: float) -> tuple[web.StreamResponse | tuple, Outcome]:
+                      upstream: aiohttp.ClientResponse, started: float, *, first: bytes | None = None,
+                      policy: Policy | None = None) -> tuple[web.StreamResponse | tuple, Outcome]:
+        """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it)."""
+        policy = policy or self.policy
         chunks = upstream.content.iter_any()
-        try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = b""
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return self._failed(worker, "stream_start", repr(exc)), Outcome(ok=False, error=repr(exc))
+        if first is None:
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return self._failed(worker, "stream_start", repr(exc)), Outcome(ok=False, error=repr(exc))
         response = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
@@ -221,7 +225,7 @@ class Proxy:
         })
         await response.prepare(request)
         self.metrics.ttft.labels(view.route).observe(time.perf_counter() - started)
-        self.policy.on_first_token(view, worker.view)
+        policy.on_first_token(view, worker.view)
         tail = first[-_TAIL_BYTES:]
         chunk = first
         failure: str | None = None

@@ -1,0 +1,283 @@
+"""Prefill/decode disaggregation: one client request, two engine requests, one answer.
+
+The same body goes to a prefill and a decode worker at once, with ``bootstrap_host``,
+``bootstrap_port`` and ``bootstrap_room`` spliced into the original bytes (the rest is
+never re-serialised). The engines pair up through the room and move KV over Mooncake;
+the client gets decode's answer, streamed as soon as decode sends it.
+
+Failure rule, stricter than the anchor: whichever leg fails first, the other is aborted
+at once (its HTTP call cancelled and ``/abort_request`` sent with its rid), so decode is
+never left waiting for a room that will not come. Before the first byte reaches the
+client, a failure picks a new pair and a new room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from gateway.errors import GatewayError
+from gateway.proxy import RETRYABLE_STATUS, Proxy, outcome_from_json, select, upstream_headers
+from gateway.request import Body
+from gateway.workers import Worker
+from policies.base import Choice, NoWorkerAvailable, Outcome, Policy, RequestView
+
+log = logging.getLogger("kvgate.pd")
+_enc = msgspec.json.encode
+_dec = msgspec.json.decode
+
+
+def batch_size(body: Body) -> int | None:
+    """Items the engine will expand the request into, or None for a single request."""
+    n = body.n or 1
+    for field in (body.text, body.input_ids, body.prompt):
+        if isinstance(field, list) and field and isinstance(field[0], (str, list)):
+            return len(field) * n
+    return n if n > 1 else None
+
+
+def splice_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """Append keys to a JSON object's bytes. Appended last, they win over any duplicate the
+    client sent (JSON parsers keep the last), and nothing else in the body changes."""
+    end = raw.rstrip()
+    if not end.endswith(b"}"):
+        raise GatewayError(400, "request body must be a JSON object")
+    inner = end[:-1].rstrip()
+    sep = b"" if inner.endswith(b"{") else b","
+    extra = b",".join(_enc(k) + b":" + _enc(v) for k, v in fields.items())
+    return inner + sep + extra + b"}"
+
+
+def wants_logprobs(body: Body) -> bool:
+    rl = body.return_logprob
+    return bool(rl if not isinstance(rl, list) else any(rl))
+
+
+def merge_input_logprobs(decode_obj: Any, prefill_obj: Any) -> Any:
+    """Prefill computed the prompt's logprobs; put them in front of decode's (per batch item)."""
+    if isinstance(decode_obj, list) and isinstance(prefill_obj, list):
+        return [merge_input_logprobs(d, p) for d, p in zip(decode_obj, prefill_obj)]
+    if isinstance(decode_obj, dict) and isinstance(prefill_obj, dict):
+        d_meta, p_meta = decode_obj.get("meta_info"), prefill_obj.get("meta_info")
+        if isinstance(d_meta, dict) and isinstance(p_meta, dict):
+            for key in ("input_token_logprobs", "input_top_logprobs"):
+                if p_meta.get(key):
+                    d_meta[key] = list(p_meta[key]) + list(d_meta.get(key) or [])
+    return decode_obj
+
+
+def last_sse_json(data: bytes) -> Any:
+    """The last JSON event of an SSE body (prefill streams when the client asked to)."""
+    for event in reversed(data.split(b"\n\n")):
+        event = event.strip()
+        if event.startswith(b"data: {") or event.startswith(b"data: ["):
+            try:
+                return _dec(event[6:])
+            except msgspec.DecodeError:
+                continue
+    return None
+
+
+class PDProxy(Proxy):
+    def __init__(self, *args: Any, prefill_policy: Policy, decode_policy: Policy, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+
+    async def _pair(self, view: RequestView, tried: set[str]) -> tuple[Choice, Choice] | None:
+        prefills = self.registry.candidates(view.model, role="prefill", exclude=tried)
+        decodes = self.registry.candidates(view.model, role="decode", exclude=tried)
+        if not prefills or not decodes:
+            return None
+        pair = getattr(self.prefill_policy, "select_pair", None)
+        try:
+            if pair is not None:  # a joint scorer prices both legs together
+                return await pair(view, [w.view for w in prefills], [w.view for w in decodes])
+            p = await select(self.prefill_policy, view, [w.view for w in prefills])
+            d = await select(self.decode_policy, view, [w.view for w in decodes])
+        except NoWorkerAvailable:
+            return None
+        return p, d
+
+    async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: Body | None = None) -> web.StreamResponse:
+        assert body is not None
+        tried: set[str] = set()
+        last_failure: tuple[int, bytes, str] | None = None
+        items = batch_size(body)
+        for attempt in range(self.max_retries + 1):
+            pair = await self._pair(view, tried)
+            if pair is None:
+                break
+            p_choice, d_choice = pair
+            prefill = self.registry.workers[p_choice.worker.url]
+            decode = self.registry.workers[d_choice.worker.url]
+            if attempt:
+                self.metrics.retries.inc()
+            rooms: int | list[int] = random.getrandbits(63) if items is None else [random.getrandbits(63) for _ in range(items)]
+            fields: dict[str, Any] = {
+                "bootstrap_host": prefill.view.host if items is None else [prefill.view.host] * items,
+                "bootstrap_port": prefill.view.bootstrap_port if items is None else [prefill.view.bootstrap_port] * items,
+                "bootstrap_room": rooms,
+            }
+            rid = body.rid
+            if rid is None:  # the partner leg can only be aborted by rid
+                rid = f"{view.request_id}-{attempt}"
+                fields["rid"] = rid if items is None else [f"{rid}-{i}" for i in range(items)]
+                rid = fields["rid"]
+            spliced = splice_fields(raw, fields)
+            result = await self._attempt_pair(request, view, spliced, body, prefill, decode, p_choice, d_choice, rid)
+            if isinstance(result, web.StreamResponse):
+                return result
+            tried.update((prefill.url, decode.url))
+            last_failure = result
+            if result[0] and result[0] < 500:
+                break  # the request itself is bad (e.g. prompt too long): retrying won't help
+        if last_failure is not None and last_failure[0] >= 400:
+            status, data, ctype = last_failure
+            return web.Response(status=status, body=data, content_type=ctype, headers={"X-Request-ID": view.request_id})
+        if tried:
+            raise GatewayError(502, "all prefill/decode attempts failed", code="upstream_unavailable")
+        raise GatewayError(503, "PD mode needs a healthy prefill and a healthy decode worker",
+                           code="no_worker_available")
+
+    async def _abort(self, worker: Worker, rid: str | list[str]) -> None:
+        """Best effort: the engine drops a queued or waiting request by rid."""
+        for one in rid if isinstance(rid, list) else [rid]:
+            try:
+                async with self.session.post(worker.url + "/abort_request", json={"rid": one},
+                                             headers=worker.auth_headers(),
+                                             timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    await resp.read()
+            except Exception as exc:  # the leg may be dead already: that is why we abort
+                log.debug("abort of %s on %s failed: %r", one, worker.url, exc)
+
+    async def _call_prefill(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker) -> tuple[int, bytes, str]:
+        async with self.session.post(worker.url + view.route, data=raw,
+                                     headers=upstream_headers(request, view.request_id, worker)) as resp:
+            return resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json")
+
+    async def _open_decode(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker
+                           ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Decode's response and, for streams, its first chunk (None when the body is JSON)."""
+        resp = await self.session.post(worker.url + view.route, data=raw,
+                                       headers=upstream_headers(request, view.request_id, worker))
+        try:
+            if resp.status >= 400 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                await resp.read()
+                return resp, None
+            first = await resp.content.readany()
+            return resp, first
+        except BaseException:
+            resp.close()
+            raise
+
+    async def _attempt_pair(self, request: web.Request, view: RequestView, raw: bytes, body: Body,
+                            prefill: Worker, decode: Worker, p_choice: Choice, d_choice: Choice,
+                            rid: str | list[str]) -> web.StreamResponse | tuple[int, bytes, str]:
+        for w, policy in ((prefill, self.prefill_policy), (decode, self.decode_policy)):
+            w.view.in_flight += 1
+            w.breaker.on_attempt()
+            self.metrics.routed.labels(w.url).inc()
+            policy.on_routed(view, w.view)
+        p_task = asyncio.create_task(self._call_prefill(request, view, raw, prefill))
+        d_task = asyncio.create_task(self._open_decode(request, view, raw, decode))
+        started = time.perf_counter()
+        p_outcome = d_outcome = Outcome(ok=False, error="cancelled")
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done:
+                failure = self._leg_failure(prefill, p_task)
+                if failure is not None:
+                    p_outcome = Outcome(ok=False, status=failure[0], error=failure[1][:200].decode(errors="replace"))
+                    d_task.cancel()
+                    await self._abort(decode, rid)
+                    return failure
+            try:
+                upstream, first = await d_task
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self._failed(decode, "connect", repr(exc))
+                p_task.cancel()
+                await self._abort(prefill, rid)
+                return (0, b"", "")
+            if upstream.status >= 400:
+                data = await upstream.read()
+                ctype = upstream.headers.get("Content-Type", "application/json").split(";")[0]
+                if upstream.status in RETRYABLE_STATUS:
+                    self._failed(decode, f"http_{upstream.status}", data[:200].decode(errors="replace"))
+                p_task.cancel()
+                await self._abort(prefill, rid)
+                d_outcome = Outcome(ok=False, status=upstream.status)
+                return (upstream.status, data, ctype)
+            need_prefill = wants_logprobs(body)
+            if need_prefill or first is None:
+                # Decode answered, so prefill has (or is about to have) finished; its errors still count.
+                p_status, p_data, _ = await p_task
+                if p_status >= 400:
+                    return (p_status, p_data, "application/json")
+            prefill.breaker.record_success()
+            p_outcome = Outcome(ok=True, status=200)
+            self.prefill_policy.on_first_token(view, prefill.view)
+            if first is None:  # non-stream JSON
+                data = await upstream.read()
+                if need_prefill:
+                    data = _enc(merge_input_logprobs(_dec(data), _dec(p_task.result()[1])))
+                decode.breaker.record_success()
+                d_outcome = outcome_from_json(data, upstream.status)
+                self.decode_policy.on_first_token(view, decode.view)
+                return web.Response(status=upstream.status, body=data,
+                                    content_type=upstream.headers.get("Content-Type", "application/json").split(";")[0],
+                                    headers={"X-Request-ID": view.request_id})
+            if need_prefill:
+                first = self._merge_first_event(first, p_task.result()[1])
+            response, d_outcome = await self._stream(request, view, decode, upstream, started, first=first,
+                                                     policy=self.decode_policy)
+            return response
+        finally:
+            for task in (p_task, d_task):
+                if not task.done():
+                    task.cancel()
+            if upstream is not None:
+                upstream.close()
+            prefill.view.in_flight -= 1
+            decode.view.in_flight -= 1
+            self.prefill_policy.on_complete(view, prefill.view, p_outcome)
+            self.decode_policy.on_complete(view, decode.view, d_outcome)
+
+    def _leg_failure(self, worker: Worker, task: asyncio.Task) -> tuple[int, bytes, str] | None:
+        exc = task.exception()
+        if exc is not None:
+            self._failed(worker, "connect", repr(exc))
+            return (0, b"", "")
+        status, data, ctype = task.result()
+        if status >= 400:
+            if status in RETRYABLE_STATUS:
+                self._failed(worker, f"http_{status}", data[:200].decode(errors="replace"))
+            return (status, data, ctype.split(";")[0])
+        return None
+
+    @staticmethod
+    def _merge_first_event(first: bytes, prefill_data: bytes) -> bytes:
+        head, sep, rest = first.partition(b"\n\n")
+        if not sep or not head.startswith(b"data: {"):
+            return first
+        prefill_obj = last_sse_json(prefill_data) if prefill_data.lstrip().startswith(b"data:") else _dec(prefill_data)
+        merged = merge_input_logprobs(_dec(head[6:]), prefill_obj)
+        return b"data: " + _enc(merged) + b"\n\n" + rest
+
+
+def pd_policies(cfg: Any, default: Policy, load: Any) -> tuple[Policy, Policy]:
+    prefill = load(cfg.prefill_policy, **cfg.policy_options) if cfg.prefill_policy else default
+    decode = load(cfg.decode_policy or "least_load")
+    return prefill, decode
+
+
+__all__: Sequence[str] = ["PDProxy", "splice_fields", "batch_size", "merge_input_logprobs", "pd_policies"]
