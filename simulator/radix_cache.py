@@ -258,9 +258,12 @@ class RadixCache:
             elif t == DEVICE:
                 ok = node.lock_ref == 0 and not any(c.present & 1 for c in node.children.values())
             else:
-                # a lower-tier copy may go if a faster tier still holds the page; the last copy
-                # only from a leaf that no request is about to load back
-                ok = bool(node.present & ~bit) or (not node.children and node.lock_ref == 0)
+                # a copy may go if another tier still holds the page; the last copy only from a
+                # leaf of this tier (children only in slower tiers, which write-back or
+                # _drop_subtree handle) that no request is about to load back
+                upto = (bit << 1) - 1
+                ok = bool(node.present & ~bit) or (
+                    node.lock_ref == 0 and not any(c.present & upto for c in node.children.values()))
             if ok:
                 s.add(node)
             else:
