@@ -354,6 +354,9 @@ class Scheduler:
             self.private_prompt -= r.prompt_len - r.locked_len
             self.cache.unlock(r.node)
             r.node = None
+            over = self.used_tokens - self.capacity
+            if over > 0:  # decode may overshoot the pool (SGLang would retract); settle it now
+                self.cache.evict(0, over)
         if self.chunked is r:
             self.chunked = None
         r.state = FINISHED
