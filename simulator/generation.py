@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .protocol import SamplingParams
 
+_CHUNK = 64
 _PRINTABLE = bytes(32 + (b % 95) for b in range(256))  # 0x20..0x7e
 
 
@@ -32,8 +33,16 @@ class Planned:
     text_len: int  # characters of ``out`` that are shown (stop strings trimmed)
 
 
+def _draw(seed: int, n: int) -> bytes:
+    """Prefix-stable: the first k tokens do not depend on n (PD prefill draws 1, decode n)."""
+    if n <= 0:
+        return b""
+    rng = random.Random(seed)
+    return b"".join(rng.randbytes(_CHUNK) for _ in range(-(-n // _CHUNK)))[:n].translate(_PRINTABLE)
+
+
 def plan_output(seed: int, max_new: int, params: SamplingParams) -> Planned:
-    out = random.Random(seed).randbytes(max_new).translate(_PRINTABLE) if max_new > 0 else b""
+    out = _draw(seed, max_new)
     best: tuple[int, int, object] | None = None  # (end, text_end, matched)
     lo = max(params.min_new_tokens, 0)
     for s in params.stops():
