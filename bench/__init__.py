@@ -1,0 +1,1 @@
+"""Benchmarks: trace replay, load generation and reports (results in bench/RESULTS.md)."""

@@ -1,0 +1,277 @@
+"""Replay a Mooncake trace against an SGLang-compatible endpoint (a worker or a gateway).
+
+Library use (other benches compare routing policies with it)::
+
+    from bench.replay import replay
+    result = asyncio.run(replay(records, "http://127.0.0.1:8000", api="chat", speedup=10))
+    result.summary()  # dict; result.rows: one RequestResult per request
+
+CLI::
+
+    python -m bench.replay --url http://127.0.0.1:8000 --trace PATH --limit 500 --speedup 10 \
+        --api generate --out bench/out/run1
+
+Timestamps are honoured (divided by ``speedup``) under a concurrency bound; every request
+streams so TTFT is measured at the first content chunk. When the target reports a
+``time_scale`` (the simulator does), latencies are also given in simulated seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+import msgspec
+
+from .trace import TraceRecord, expand, load_trace, oracle_hit_rate
+
+_dec = msgspec.json.Decoder()
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    scheduled_s: float  # trace time / speedup
+    sent_s: float  # when it actually went out (concurrency may delay it)
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tpot_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    worker: str = ""
+
+
+@dataclass
+class ReplayResult:
+    rows: list[RequestResult]
+    wall_s: float
+    time_scale: float = 1.0
+    meta: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return summarize(self.rows, self.wall_s, self.time_scale)
+
+
+def _pct(xs: Sequence[float], p: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, int(round(p / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: Sequence[RequestResult], wall_s: float, time_scale: float = 1.0) -> dict:
+    ok = [r for r in rows if r.ok]
+    f = time_scale
+    ttft = [r.ttft_s * f for r in ok if r.ttft_s is not None]
+    tpot = [r.tpot_s * f for r in ok if r.tpot_s is not None]
+    e2e = [r.e2e_s * f for r in ok if r.e2e_s is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    out_tok = sum(r.completion_tokens for r in ok)
+    sim_s = wall_s * f
+    return {
+        "requests": len(rows), "ok": len(ok), "errors": len(rows) - len(ok), "wall_s": wall_s,
+        "time_scale": f, "duration_s": sim_s,
+        "ttft_mean_s": _mean(ttft), "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_mean_s": _mean(tpot), "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "req_per_s": len(ok) / sim_s if sim_s else None, "output_tok_per_s": out_tok / sim_s if sim_s else None,
+        "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
+    }
+
+
+def _body(api: str, text: str, max_tokens: int, model: str, index: int) -> tuple[str, dict]:
+    if api == "generate":
+        return "/generate", {"text": text, "stream": True, "rid": f"replay-{index}-{time.monotonic_ns()}",
+                             "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
+    if api == "completions":
+        return "/v1/completions", {"model": model, "prompt": text, "max_tokens": max_tokens, "stream": True,
+                                   "ignore_eos": True, "stream_options": {"include_usage": True}}
+    return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}],
+                                    "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                                    "stream_options": {"include_usage": True}}
+
+
+async def _one(session: aiohttp.ClientSession, base: str, api: str, row: RequestResult, text: str, max_tokens: int,
+               model: str, timeout: float, worker_header: str) -> None:
+    path, body = _body(api, text, max_tokens, model, row.index)
+    t0 = time.monotonic()
+    try:
+        async with session.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            row.status = resp.status
+            row.worker = resp.headers.get(worker_header, "")
+            if resp.status != 200:
+                row.error = (await resp.text())[:300]
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                ev = _dec.decode(data)
+                if "error" in ev:
+                    row.error = str(ev["error"])[:300]
+                    return
+                _absorb(api, ev, row, t0)
+        row.e2e_s = time.monotonic() - t0
+        if row.ttft_s is not None and row.completion_tokens > 1:
+            row.tpot_s = (row.e2e_s - row.ttft_s) / (row.completion_tokens - 1)
+        row.ok = row.ttft_s is not None
+        if not row.ok:
+            row.error = row.error or "no content received"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        row.error = f"{type(e).__name__}: {e}"[:300]
+
+
+def _absorb(api: str, ev: dict, row: RequestResult, t0: float) -> None:
+    if api == "generate":
+        meta = ev.get("meta_info") or {}
+        if row.ttft_s is None and ev.get("text"):
+            row.ttft_s = time.monotonic() - t0
+        row.prompt_tokens = meta.get("prompt_tokens", row.prompt_tokens)
+        row.cached_tokens = meta.get("cached_tokens", row.cached_tokens)
+        row.completion_tokens = meta.get("completion_tokens", row.completion_tokens)
+        if meta.get("finish_reason", {}) and meta["finish_reason"].get("type") == "abort":
+            row.error = str(meta["finish_reason"].get("message"))
+        return
+    for ch in ev.get("choices") or ():
+        piece = (ch.get("delta") or {}).get("content") if api == "chat" else ch.get("text")
+        if piece and row.ttft_s is None:
+            row.ttft_s = time.monotonic() - t0
+    usage = ev.get("usage")
+    if usage:
+        row.prompt_tokens = usage.get("prompt_tokens", 0)
+        row.completion_tokens = usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        row.cached_tokens = details.get("cached_tokens") or 0
+
+
+async def fetch_time_scale(base: str) -> float:
+    """The simulator reports ``time_scale`` in /server_info; real SGLang (and gateways) don't."""
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    return float((await r.json()).get("time_scale") or 1.0)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        pass
+    return 1.0
+
+
+async def replay(records: Sequence[TraceRecord], url: str, *, api: str = "generate", speedup: float = 1.0,
+                 concurrency: int = 256, model: str = "default", max_tokens_cap: int | None = None,
+                 timeout: float = 600.0, time_scale: float | None = None, worker_header: str = "x-kvgate-worker",
+                 on_progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    """Send every record at ``timestamp / speedup``; returns per-request results.
+
+    ``time_scale`` converts wall latencies to simulated ones (None: ask /server_info).
+    """
+    base = url.rstrip("/")
+    if time_scale is None:
+        time_scale = await fetch_time_scale(base)
+    sem = asyncio.Semaphore(concurrency)
+    t_first = records[0].timestamp if records else 0.0
+    rows = [RequestResult(i, (r.timestamp - t_first) / 1000.0 / speedup, 0.0) for i, r in enumerate(records)]
+    done = 0
+    conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    start = time.monotonic()
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def run(i: int) -> None:
+            nonlocal done
+            rec, row = records[i], rows[i]
+            delay = start + row.scheduled_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            text = expand(rec)
+            mt = max(1, rec.output_length if max_tokens_cap is None else min(rec.output_length, max_tokens_cap))
+            async with sem:
+                row.sent_s = time.monotonic() - start
+                await _one(session, base, api, row, text, mt, model, timeout, worker_header)
+            done += 1
+            if on_progress:
+                on_progress(done, len(records))
+
+        await asyncio.gather(*(run(i) for i in range(len(records))))
+    return ReplayResult(rows, time.monotonic() - start, time_scale,
+                        {"url": url, "api": api, "speedup": speedup, "concurrency": concurrency})
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def format_table(summary: dict, oracle: float | None = None) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    lines = [
+        f"requests {summary['requests']}  ok {summary['ok']}  errors {summary['errors']}  "
+        f"duration {summary['duration_s']:.2f}s (wall {summary['wall_s']:.2f}s, time_scale {summary['time_scale']:g})",
+        f"{'metric':<12}{'mean':>10}{'p50':>10}{'p99':>10}",
+        f"{'TTFT ms':<12}{ms(summary['ttft_mean_s']):>10}{ms(summary['ttft_p50_s']):>10}{ms(summary['ttft_p99_s']):>10}",
+        f"{'TPOT ms':<12}{ms(summary['tpot_mean_s']):>10}{ms(summary['tpot_p50_s']):>10}{ms(summary['tpot_p99_s']):>10}",
+        f"{'E2E ms':<12}{'':>10}{ms(summary['e2e_p50_s']):>10}{ms(summary['e2e_p99_s']):>10}",
+        f"throughput {summary['req_per_s'] or 0:.2f} req/s, {summary['output_tok_per_s'] or 0:.0f} output tok/s",
+        f"hit rate {summary['hit_rate']:.3f} (cached {summary['cached_tokens']} / prompt {summary['prompt_tokens']})"
+        + (f"  oracle {oracle:.3f}" if oracle is not None else ""),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True)
+    p.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--speedup", type=float, default=None, help="trace-time divisor (default: the target's time_scale)")
+    p.add_argument("--api", choices=["generate", "completions", "chat"], default="generate")
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--model", default="default")
+    p.add_argument("--max-tokens-cap", type=int, default=None)
+    p.add_argument("--time-scale", type=float, default=None, help="override the target's reported time_scale")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default=None, help="directory for requests.csv, summary.json and PNG plots")
+    p.add_argument("--no-plots", action="store_true")
+    a = p.parse_args(argv)
+    records = load_trace(a.trace, a.limit)
+    ts = a.time_scale if a.time_scale is not None else asyncio.run(fetch_time_scale(a.url.rstrip("/")))
+    speedup = a.speedup if a.speedup is not None else ts
+
+    def progress(done: int, total: int) -> None:
+        if done % max(1, total // 20) == 0 or done == total:
+            print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True)
+
+    result = asyncio.run(replay(records, a.url, api=a.api, speedup=speedup, concurrency=a.concurrency,
+                                model=a.model, max_tokens_cap=a.max_tokens_cap, timeout=a.timeout,
+                                time_scale=ts, on_progress=progress))
+    print(file=sys.stderr)
+    summary = result.summary()
+    oracle = oracle_hit_rate(records)
+    summary["oracle_hit_rate"] = oracle
+    print(format_table(summary, oracle))
+    if a.out:
+        from .report import write_outputs
+
+        paths = write_outputs(result, summary, a.out, plots=not a.no_plots)
+        print("wrote " + ", ".join(str(x) for x in paths))
+    errors = [r.error for r in result.rows if not r.ok][:3]
+    if errors:
+        print("first errors: " + " | ".join(errors), file=sys.stderr)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

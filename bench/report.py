@@ -1,0 +1,85 @@
+"""Write a replay's per-request CSV/JSON, its summary, and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from .replay import ReplayResult, RequestResult
+
+
+def write_outputs(result: ReplayResult, summary: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "requests.csv", out / "requests.json", out / "summary.json"]
+    with open(paths[0], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([fl.name for fl in fields(RequestResult)])
+        for r in result.rows:
+            w.writerow([getattr(r, fl.name) for fl in fields(RequestResult)])
+    paths[1].write_text(json.dumps([asdict(r) for r in result.rows]))
+    paths[2].write_text(json.dumps({"summary": summary, "meta": result.meta}, indent=2))
+    if plots:
+        paths += plot(result, out)
+    return paths
+
+
+def plot(result: ReplayResult, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = result.time_scale
+    ok = sorted((r for r in result.rows if r.ok), key=lambda r: r.sent_s)
+    written: list[Path] = []
+    ttft = sorted(r.ttft_s * f * 1000 for r in ok if r.ttft_s is not None)
+    if ttft:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))])
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, simulated)" if f != 1 else "TTFT (ms)")
+        ax.set_ylabel("CDF")
+        ax.grid(True, alpha=0.3)
+        p = out / "ttft_cdf.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+    if ok:
+        window = max(1, len(ok) // 50)
+        xs, ys = [], []
+        for i in range(0, len(ok), window):
+            chunk = ok[i:i + window]
+            prompt = sum(r.prompt_tokens for r in chunk)
+            xs.append(chunk[-1].sent_s * f)
+            ys.append(sum(r.cached_tokens for r in chunk) / prompt if prompt else 0.0)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(xs, ys, marker=".")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(f"hit rate (window of {window} requests)")
+        ax.grid(True, alpha=0.3)
+        p = out / "hit_rate.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+    workers = sorted({r.worker for r in ok if r.worker})
+    if workers:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for w in workers:
+            ts = [r.sent_s * f for r in ok if r.worker == w]
+            ax.plot(ts, range(1, len(ts) + 1), label=w)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("requests routed (cumulative)")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        p = out / "worker_load.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+    return written

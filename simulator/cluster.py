@@ -1,0 +1,194 @@
+"""``SimCluster``: a fleet of simulated workers as real processes, with a sync API.
+
+Used by tests, benchmarks and ``kvgate up`` / ``kvgate sim``. Each worker is
+``sys.executable -m simulator serve ...`` in its own process group, with PYTHONPATH set
+to this checkout so it runs uninstalled.
+
+Port layout when ``base_port`` is given (else every port is a free ephemeral one):
+HTTP ``base_port + i``, PD bootstrap ``base_port + 100 + i``, KV events
+``base_port + 200 + 2i`` (PUB) and ``+1`` (replay), for worker index ``i`` (prefill
+workers first, then decode, then unified).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+class _Worker:
+    def __init__(self, role: str, url: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.role, self.url, self.args, self.log_path = role, url, args, log_path
+        self.bootstrap_port: int | None = None
+        self.kv_endpoint: str | None = None
+        self.log = open(log_path, "wb")
+        self.popen = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                      start_new_session=True)
+
+    def tail(self, n: int = 3000) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+class SimCluster:
+    """Start ``workers`` unified workers, or ``prefill`` + ``decode`` PD workers (or both)."""
+
+    def __init__(self, workers: int = 4, prefill: int = 0, decode: int = 0, host: str = "127.0.0.1",
+                 base_port: int | None = None, engine_args: Sequence[str] = (), startup_timeout: float = 30,
+                 kv_events: bool = False, log_dir: str | None = None) -> None:
+        self.n_unified, self.n_prefill, self.n_decode = workers, prefill, decode
+        self.host = host
+        self.base_port = base_port
+        self.engine_args = list(engine_args)
+        self.startup_timeout = startup_timeout
+        self.kv_events = kv_events or any(a.startswith("--kv-events") for a in self.engine_args)
+        if self.kv_events:  # ports are assigned per worker here
+            self.engine_args = _strip_kv_args(self.engine_args)
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvgate-sim-"))
+        self.urls: list[str] = []
+        self.prefill: list[tuple[str, int]] = []
+        self.decode: list[str] = []
+        self.kv_event_endpoints: dict[str, str] = {}
+        self._workers: list[_Worker] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _port(self, offset: int) -> int:
+        return self.base_port + offset if self.base_port is not None else _free_port(self.host)
+
+    def start(self) -> "SimCluster":
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        roles = ["prefill"] * self.n_prefill + ["decode"] * self.n_decode + ["unified"] * self.n_unified
+        try:
+            for i, role in enumerate(roles):
+                port = self._port(i)
+                url = f"http://{self.host}:{port}"
+                args = [sys.executable, "-m", "simulator", "serve", "--host", self.host, "--port", str(port),
+                        *self.engine_args]
+                bootstrap = kv = None
+                if role != "unified":
+                    args += ["--disaggregation-mode", role]
+                if role == "prefill":
+                    bootstrap = self._port(100 + i)
+                    args += ["--disaggregation-bootstrap-port", str(bootstrap)]
+                if self.kv_events:
+                    pub, replay = self._port(200 + 2 * i), self._port(201 + 2 * i)
+                    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv",
+                           "replay_endpoint": f"tcp://*:{replay}"}
+                    args += ["--kv-events-config", json.dumps(cfg)]
+                    kv = f"tcp://{self.host}:{pub}"
+                w = _Worker(role, url, args, self.log_dir / f"{role}-{i}-{port}.log", env)
+                w.bootstrap_port, w.kv_endpoint = bootstrap, kv
+                self._workers.append(w)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        for w in self._workers:
+            if w.role == "prefill":
+                self.prefill.append((w.url, w.bootstrap_port))
+            elif w.role == "decode":
+                self.decode.append(w.url)
+            else:
+                self.urls.append(w.url)
+            if w.kv_endpoint:
+                self.kv_event_endpoints[w.url] = w.kv_endpoint
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        pending = list(self._workers)
+        while pending:
+            for w in list(pending):
+                if w.popen.poll() is not None:
+                    raise RuntimeError(f"simulated worker {w.url} exited with {w.popen.returncode}:\n{w.tail()}")
+                if _status(w.url + "/health") == 200:
+                    pending.remove(w)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"simulated worker {pending[0].url} not healthy after "
+                                   f"{self.startup_timeout}s:\n{pending[0].tail()}")
+            if pending:
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for w in self._workers:
+            if w.popen.poll() is None:
+                try:
+                    os.killpg(w.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for w in self._workers:
+            w.stop()
+        self._workers.clear()
+
+    def alive(self) -> list[str]:
+        return [w.url for w in self._workers if w.popen.poll() is None]
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(w.url, w.popen.returncode) for w in self._workers if w.popen.poll() is not None]
+
+    @property
+    def all_urls(self) -> list[str]:
+        return [w.url for w in self._workers]
+
+    def __enter__(self) -> "SimCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _strip_kv_args(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--kv-events-port", "--kv-events-config"):
+            skip = True
+            continue
+        if a.startswith(("--kv-events-port=", "--kv-events-config=")) or a == "--kv-events":
+            continue
+        out.append(a)
+    return out

@@ -1,0 +1,94 @@
+"""Command-line options of one simulated worker (``python -m simulator serve``).
+
+Option names follow SGLang's ``launch_server`` where SGLang has one, so launch scripts
+written for SGLang mostly run unchanged against the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .profiles import DEFAULT_PROFILE, PROFILES
+
+DEFAULT_VERSION = "0.5.23"
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m simulator serve", description="SGLang-compatible engine simulator")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model-name", "--served-model-name", dest="model_name", default="sim-llama-8b")
+    p.add_argument("--model-path", default=None, help="reported as model_path (default: the profile's)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    p.add_argument("--time-scale", type=float, default=1.0, help="simulated seconds per wall second")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool tokens (default: profile)")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sglang-version", default=DEFAULT_VERSION)
+    p.add_argument("--dp-size", type=int, default=1, help="reported only; one scheduler per process")
+    p.add_argument("--tp-size", type=int, default=None)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--enable-cache-report", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--log-requests", action="store_true")
+    # HiCache
+    p.add_argument("--enable-hierarchical-cache", action="store_true")
+    p.add_argument("--hicache-ratio", type=float, default=None, help="host pool = ratio x device pool")
+    p.add_argument("--hicache-size", type=float, default=None, help="host pool in GB (uses KV bytes/token)")
+    p.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"])
+    # KV events
+    p.add_argument("--kv-events-port", type=int, default=None, help="shortcut for a zmq publisher on this port")
+    p.add_argument("--kv-events-config", default=None, help="SGLang's JSON kv-events config")
+    # PD
+    p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--disaggregation-transfer-backend", default="mooncake")
+    p.add_argument("--disaggregation-ib-device", default=None)
+    p.add_argument("--kv-bytes-per-token", type=int, default=4096,
+                   help="bytes really moved per prompt token in PD (small so tests are fast)")
+    p.add_argument("--kv-pool-mb", type=int, default=64, help="registered transfer buffer per worker")
+    p.add_argument("--disaggregation-waiting-timeout", type=float,
+                   default=float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)))
+    p.add_argument("--disaggregation-bootstrap-timeout", type=float,
+                   default=float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)))
+    # faults
+    p.add_argument("--fault-latency-ms", type=float, default=0.0, help="extra wall latency before answering")
+    p.add_argument("--fault-fail-rate", type=float, default=0.0, help="fraction of requests answered 500")
+    p.add_argument("--fault-crash-after", type=int, default=0, help="exit hard after N generation requests")
+    p.add_argument("--fault-health-flap-secs", type=float, default=0.0, help="/health alternates 200/503")
+    p.add_argument("--fault-transfer-fail-rate", type=float, default=0.0)
+    p.add_argument("--fault-hang-rate", type=float, default=0.0, help="accept and never answer")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.kv_events = kv_events_config(args)
+    return args
+
+
+def kv_events_config(args: argparse.Namespace) -> dict | None:
+    """SGLang's kv-events-config dict, from either flag; the replay socket sits next door."""
+    if args.kv_events_config:
+        cfg = json.loads(args.kv_events_config)
+        cfg.setdefault("publisher", "zmq")
+        cfg.setdefault("topic", "kv")
+        return cfg
+    if args.kv_events_port:
+        port = args.kv_events_port
+        return {"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv",
+                "replay_endpoint": f"tcp://*:{port + 1}"}
+    return None

@@ -1,0 +1,305 @@
+"""One simulated SGLang engine: tokenizer + radix cache + scheduler + telemetry.
+
+The HTTP layers (``http_native``, ``http_openai``) turn requests into ``Item``s, call
+``Engine.run_item`` and shape the answers; everything that SGLang's TokenizerManager
+and Scheduler would decide lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from wire.tokenizer import ByteTokenizer
+
+from .clock import SimClock
+from .config import version_tuple
+from .cost_model import CostModel
+from .generation import plan_output, seed_for, token_logprob
+from .kv_publisher import KVEventPublisher
+from .metrics import Metrics
+from .profiles import get_profile
+from .protocol import GenerateReqInput, SamplingParams, parse_sampling, pick
+from .radix_cache import RadixCache, build_tiers
+from .scheduler import FINISHED, Req, Scheduler
+
+log = logging.getLogger("simulator")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+
+
+@dataclass(slots=True)
+class Item:
+    """One sequence to generate (a batch or n>1 request expands into several)."""
+
+    index: int
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    seed_offset: int = 0
+    received: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.version = args.sglang_version
+        self.vt = version_tuple(self.version)
+        ov = {"max_total_num_tokens": args.max_total_tokens, "max_running_requests": args.max_running_requests,
+              "chunked_prefill_size": args.chunked_prefill_size, "context_length": args.context_length}
+        self.profile = get_profile(args.profile, **ov)
+        self.model_path = args.model_path or self.profile.model_path
+        self.tokenizer = ByteTokenizer()
+        self.page_size = args.page_size
+        self.mode = args.disaggregation_mode
+        self.engine_type = "unified" if self.mode == "null" else self.mode
+        self.clock = SimClock(args.time_scale)
+        self.rng = random.Random(args.seed)
+        self.started = time.monotonic()
+        self.ready = False
+        self.requests_seen = 0
+        self.metrics = Metrics(args.model_name, self.engine_type)
+        self.publisher: KVEventPublisher | None = None
+        self.pd = None  # set by server for PD roles
+
+    @property
+    def host_tokens(self) -> int:
+        a = self.args
+        if not (a.enable_hierarchical_cache or a.hicache_ratio or a.hicache_size):
+            return 0
+        if a.hicache_size:
+            return int(a.hicache_size * 1e9 / self.profile.kv_bytes_per_token)
+        return int(self.profile.max_total_num_tokens * (a.hicache_ratio or 2.0))
+
+    async def start(self) -> None:
+        """Build the loop-bound parts (futures, sockets) inside the running loop."""
+        tiers = build_tiers(self.profile.max_total_num_tokens, self.host_tokens)
+        self.cache = RadixCache(self.page_size, tiers, write_through=self.args.hicache_write_policy == "write_through",
+                                clock=time.monotonic, emit_events=self.args.kv_events is not None)
+        self.cost = CostModel(self.profile)
+        if self.args.kv_events is not None:
+            self.publisher = KVEventPublisher(self.args.kv_events, self.args.host,
+                                              legacy_arrays=self.vt < (0, 5, 20))
+            self.publisher.start()
+        self.scheduler = Scheduler(
+            self.cost, self.cache, self.clock, page_size=self.page_size,
+            max_total_tokens=self.profile.max_total_num_tokens, max_running=self.profile.max_running_requests,
+            chunk_size=self.profile.chunked_prefill_size,
+            on_events=self.publisher.publish if self.publisher else None, on_finish=self._on_finish,
+        )
+        self.scheduler.start()
+        self.ready = True
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+        if self.publisher:
+            await self.publisher.close()
+
+    # ---- request parsing -------------------------------------------------------------
+    def items_from_generate(self, body: GenerateReqInput) -> tuple[list[Item], bool]:
+        """Expand a GenerateReqInput; returns (items, is_batch)."""
+        if body.text is None and body.input_ids is None:
+            raise ApiError(400, "Either text or input_ids should be provided.")
+        if body.input_ids is not None:
+            ids = body.input_ids
+            batch = bool(ids) and isinstance(ids[0], list)
+            prompts = ids if batch else [ids]
+            if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+                raise ApiError(400, "input_ids must be a list of ints or a list of lists of ints")
+        else:
+            batch = isinstance(body.text, list)
+            texts = body.text if batch else [body.text]
+            prompts = [self.tokenizer.encode(t) for t in texts]
+        strict = self.vt >= (0, 5, 23)
+        items: list[Item] = []
+        idx = 0
+        for i, prompt in enumerate(prompts):
+            try:
+                params = parse_sampling(pick(body.sampling_params, i), strict)
+            except msgspec.ValidationError as e:
+                raise ApiError(400, _unknown_field_message(str(e))) from None
+            n = max(params.n, 1)
+            if n > 1:
+                batch = True
+            rid_v = pick(body.rid, i) if isinstance(body.rid, list) else body.rid
+            for j in range(n):
+                if isinstance(body.rid, list):
+                    rid = rid_v or uuid.uuid4().hex
+                    if n > 1:
+                        rid = f"{rid}_{j}"
+                elif body.rid is not None and (len(prompts) > 1 or n > 1):
+                    rid = f"{body.rid}_{idx}"
+                else:
+                    rid = body.rid or uuid.uuid4().hex
+                items.append(Item(
+                    index=idx, rid=rid, input_ids=list(prompt), params=params, stream=body.stream,
+                    return_logprob=bool(pick(body.return_logprob, i)),
+                    logprob_start_len=pick(body.logprob_start_len, i) if body.logprob_start_len is not None else -1,
+                    bootstrap_host=pick(body.bootstrap_host, idx), bootstrap_port=pick(body.bootstrap_port, idx),
+                    bootstrap_room=pick(body.bootstrap_room, idx), cache_salt=pick(body.cache_salt, i),
+                    priority=body.priority, seed_offset=j,
+                ))
+                idx += 1
+        return items, batch
+
+    def validate(self, item: Item) -> None:
+        if not item.input_ids:
+            raise ApiError(400, "The input_ids is empty.")
+        mx = item.params.max_new_tokens
+        if mx is not None and mx < 0:
+            raise ApiError(400, "max_new_tokens must be at least 0, got {}.".format(mx))
+        total = len(item.input_ids) + (mx or 0)
+        if len(item.input_ids) >= self.profile.context_length:
+            raise ApiError(400, f"The input ({len(item.input_ids)} tokens) is longer than the model's context "
+                                f"length ({self.profile.context_length} tokens).")
+        if total > self.profile.max_total_num_tokens:
+            raise ApiError(400, f"Requested {total} tokens exceed the KV pool ({self.profile.max_total_num_tokens}).")
+        if self.mode == "decode" and item.bootstrap_room is None:
+            raise ApiError(400, "Disaggregated request received without bootstrap room id")
+
+    # ---- running ------------------------------------------------------------------------
+    def make_req(self, item: Item, *, prefilled: bool = False) -> Req:
+        p = item.params
+        max_new = p.max_new_tokens if p.max_new_tokens is not None else 128
+        if self.mode == "prefill":
+            max_new = 1  # prefill computes the first token; decode does the rest
+        if self.mode == "decode":
+            max_new = max(max_new, 1)
+        seed = seed_for(item.rid, p, item.bootstrap_room) + item.seed_offset
+        planned = plan_output(seed, max_new, p)
+        return Req(rid=item.rid, input_ids=item.input_ids, planned=planned, cache_salt=item.cache_salt,
+                   priority=item.priority, prefilled=prefilled,
+                   use_cache=not self.args.disable_radix_cache and self.mode != "decode",
+                   arrival=item.received)
+
+    def submit(self, req: Req) -> Req:
+        if req.rid in self.scheduler.reqs:
+            raise ApiError(400, f"Duplicate request ID: {req.rid}")
+        return self.scheduler.submit(req)
+
+    async def stream_progress(self, req: Req) -> AsyncIterator[int]:
+        """Yield the generated-token count each time it grows, ending when ``req`` ends."""
+        sent = 0
+        sched = self.scheduler
+        while True:
+            if req.state == FINISHED:
+                n = sched.generated(req)
+                if n != sent or n == 0:
+                    yield n
+                return
+            n = sched.generated(req)
+            if n > sent:
+                sent = n
+                yield n
+            await sched.tick()
+
+    def _on_finish(self, req: Req) -> None:
+        now = time.monotonic()
+        ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
+        gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
+        self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
+                                    req.abort_message is not None)
+
+    # ---- answers ---------------------------------------------------------------------------
+    def finish_reason(self, req: Req, n: int) -> dict | None:
+        if req.abort_message is not None:
+            return {"type": "abort", "message": req.abort_message, "status_code": 500 if req.abort_message.startswith("Decode transfer") else 400}
+        if req.state != FINISHED:
+            return None
+        if self.mode == "prefill":
+            return {"type": "length", "length": 0}
+        return req.planned.finish
+
+    def text_of(self, req: Req, n: int) -> str:
+        out = req.planned.out
+        if req.state == FINISHED and n == len(out):
+            return out[: req.planned.text_len].decode("ascii")
+        return out[:n].decode("ascii")
+
+    def meta_info(self, req: Req, item: Item, n: int, finished: bool, pd_meta: dict | None = None) -> dict:
+        fr = self.finish_reason(req, n) if finished else None
+        details = {"device": req.cached_device, "host": req.cached_host}
+        if len(self.cache.tiers) > 2:
+            details["storage"] = 0
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": fr,
+            "prompt_tokens": req.prompt_len,
+            "weight_version": "default",
+            "completion_tokens": n,
+            "cached_tokens": req.cached_tokens,
+            "cached_tokens_details": details,
+            "e2e_latency": time.monotonic() - req.arrival,
+        }
+        if finished and req.first_token_at is not None:
+            meta["response_sent_to_client_ts"] = time.time()
+        if pd_meta:
+            meta.update(pd_meta)
+        if item.return_logprob:
+            start = max(item.logprob_start_len, 0) if item.logprob_start_len >= 0 else len(req.input_ids)
+            meta["input_token_logprobs"] = [
+                [None if i == 0 else token_logprob(t, i), t, None] for i, t in enumerate(req.input_ids) if i >= start
+            ]
+            out = req.planned.out
+            meta["output_token_logprobs"] = [[token_logprob(out[i], i), out[i], None] for i in range(n)]
+        return meta
+
+    def output_ids(self, req: Req, n: int, sent: int = 0) -> list[int]:
+        ids = list(req.planned.out[:n])
+        if self.vt <= (0, 5, 5):
+            return ids[sent:]
+        return ids
+
+    def load_snapshot(self) -> dict:
+        s = self.scheduler
+        used = s.used_tokens
+        cap = self.profile.max_total_num_tokens
+        return {"running": s.running_count, "waiting": s.waiting_count, "used": used, "cap": cap,
+                "usage": used / cap if cap else 0.0}
+
+    def fault_roll(self, rate: float) -> bool:
+        return rate > 0 and self.rng.random() < rate
+
+    def note_request(self) -> None:
+        """Counts generation requests for ``--fault-crash-after``."""
+        self.requests_seen += 1
+        n = self.args.fault_crash_after
+        if n and self.requests_seen > n:
+            log.error("fault injection: crashing after %d requests", n)
+            os._exit(17)
+
+
+def _unknown_field_message(err: str) -> str:
+    # msgspec: "Object contains unknown field `foo`" -> SGLang 0.5.23's wording
+    if "unknown field" in err:
+        name = err.split("`")[1] if "`" in err else err
+        return f"unknown field `{name}` in sampling_params"
+    return err
+
+
+async def sleep_forever() -> None:
+    await asyncio.Event().wait()

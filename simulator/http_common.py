@@ -1,0 +1,44 @@
+"""Small helpers shared by the HTTP route modules: JSON/SSE encoding and SGLang error shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from .engine import ApiError, Engine
+
+ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+_enc = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_enc.encode(obj), status=status, content_type="application/json")
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _enc.encode(obj) + b"\n\n"
+
+
+def native_error(e: ApiError) -> web.Response:
+    """/generate errors: ``{"error": {"message": ...}}`` (unknown sampling keys: a string)."""
+    if e.message.startswith("unknown field"):
+        return json_response({"error": e.message}, e.status)
+    return json_response({"error": {"message": e.message}}, e.status)
+
+
+def openai_error(e: ApiError) -> web.Response:
+    return json_response({"object": "error", "message": e.message, "type": e.err_type, "param": None,
+                          "code": e.status}, e.status)
+
+
+def stream_error_chunk(e: ApiError) -> bytes:
+    return sse({"error": {"message": e.message, "type": e.err_type, "code": e.status}})
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp

@@ -1,0 +1,265 @@
+"""SGLang's native routes: /generate, health, info, load, cache and abort control, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from .engine import ApiError, Engine, Item, sleep_forever
+from .http_common import DONE, ENGINE, json_response, native_error, open_sse, sse
+from .item_stream import merged
+from .metrics import CONTENT_TYPE
+from .protocol import GenerateReqInput
+from .runner import Progress, collect
+
+_gen_decoder = msgspec.json.Decoder(GenerateReqInput)
+_any_decoder = msgspec.json.Decoder()
+
+
+def native_output(engine: Engine, p: Progress, batch: bool, sent: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "text": engine.text_of(p.req, p.n),
+        "output_ids": engine.output_ids(p.req, p.n, sent),
+        "meta_info": engine.meta_info(p.req, p.item, p.n, p.finished, p.pd_meta),
+    }
+    if batch:
+        out["index"] = p.item.index
+    return out
+
+
+async def apply_faults(engine: Engine) -> None:
+    """--fault-* knobs that act on generation requests (raise ApiError or never return)."""
+    a = engine.args
+    engine.note_request()
+    if a.fault_latency_ms:
+        await asyncio.sleep(a.fault_latency_ms / 1000)
+    if engine.fault_roll(a.fault_hang_rate):
+        await sleep_forever()
+    if engine.fault_roll(a.fault_fail_rate):
+        raise ApiError(500, "Injected failure (--fault-fail-rate)", "InternalServerError")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        body = _gen_decoder.decode(await request.read())
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return native_error(ApiError(400, str(e)))
+    try:
+        items, batch = engine.items_from_generate(body)
+        for it in items:
+            engine.validate(it)
+        await apply_faults(engine)
+        if body.stream:
+            return await _stream(request, engine, items, batch)
+        results = await asyncio.gather(*(collect(engine, it) for it in items))
+    except ApiError as e:
+        return native_error(e)
+    for p in results:
+        if p.req.abort_message and p.req.abort_message.startswith("Decode transfer"):
+            return native_error(ApiError(500, p.req.abort_message))
+    outs = [native_output(engine, p, False) for p in results]
+    return json_response(outs if batch else outs[0])
+
+
+async def _stream(request: web.Request, engine: Engine, items: list[Item], batch: bool) -> web.StreamResponse:
+    resp = await open_sse(request)
+    sent: dict[int, int] = {}
+    try:
+        async for p in merged(engine, items):
+            if isinstance(p, ApiError):
+                await resp.write(sse({"error": {"message": p.message, "type": p.err_type, "code": p.status}}))
+                break
+            prev = sent.get(p.item.index, 0)
+            await resp.write(sse(native_output(engine, p, batch, prev)))
+            sent[p.item.index] = p.n
+        await resp.write(DONE)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    return resp
+
+
+# ---- health / info ---------------------------------------------------------------------------
+def _healthy(engine: Engine) -> bool:
+    if not engine.ready:
+        return False
+    flap = engine.args.fault_health_flap_secs
+    if flap and int((time.monotonic() - engine.started) / flap) % 2 == 1:
+        return False
+    return True
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if _healthy(request.app[ENGINE]) else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not _healthy(engine):
+        return web.Response(status=503)
+    if engine.mode == "null":
+        from .protocol import SamplingParams
+
+        item = Item(index=0, rid=f"HEALTH_CHECK_{time.monotonic_ns()}", input_ids=[0],
+                    params=SamplingParams(max_new_tokens=1))
+        req = engine.make_req(item)
+        req.use_cache = False
+        try:
+            await asyncio.wait_for(asyncio.shield(engine.submit(req).done), 20)
+        except asyncio.TimeoutError:
+            engine.scheduler.abort(req.rid)
+            return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def ready(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return json_response({"status": "ready"} if engine.ready else {"status": "starting"}, 200 if engine.ready else 503)
+
+
+def server_info(engine: Engine) -> dict[str, Any]:
+    a, p = engine.args, engine.profile
+    info: dict[str, Any] = {
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path,
+        "served_model_name": a.model_name,
+        "host": a.host,
+        "port": a.port,
+        "page_size": engine.page_size,
+        "dp_size": a.dp_size,
+        "tp_size": a.tp_size or p.tp,
+        "pp_size": 1,
+        "context_length": p.context_length,
+        "max_total_num_tokens": p.max_total_num_tokens,
+        "max_running_requests": p.max_running_requests,
+        "chunked_prefill_size": p.chunked_prefill_size,
+        "disable_radix_cache": a.disable_radix_cache,
+        "enable_cache_report": a.enable_cache_report,
+        "enable_metrics": a.enable_metrics,
+        "enable_hierarchical_cache": engine.host_tokens > 0,
+        "hicache_ratio": a.hicache_ratio,
+        "hicache_size": a.hicache_size,
+        "hicache_write_policy": a.hicache_write_policy,
+        "hicache_storage_backend": None,
+        "disaggregation_mode": a.disaggregation_mode,
+        "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
+        "disaggregation_transfer_backend": a.disaggregation_transfer_backend,
+        "kv_events_config": None,
+        "version": engine.version,
+        "time_scale": a.time_scale,
+        "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
+                      "host_pool_tokens": engine.host_tokens},
+        "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
+                             "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
+    }
+    if engine.args.kv_events is not None:
+        import json
+
+        info["kv_events"] = dict(engine.args.kv_events)
+        info["kv_events_config"] = json.dumps(engine.args.kv_events)
+    return info
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    return json_response(server_info(request.app[ENGINE]))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return json_response({
+        "model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+        "has_audio_understanding": False, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return json_response({"object": "list", "data": [{
+        "id": engine.args.model_name, "object": "model", "created": int(engine_created(engine)),
+        "owned_by": "sglang", "root": engine.model_path, "parent": None,
+        "max_model_len": engine.profile.context_length,
+    }]})
+
+
+def engine_created(engine: Engine) -> float:
+    return time.time() - (time.monotonic() - engine.started)
+
+
+# ---- load ---------------------------------------------------------------------------------------
+async def get_load(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if engine.vt > (0, 5, 20):
+        raise web.HTTPNotFound()
+    s = engine.load_snapshot()
+    return json_response([{"dp_rank": 0, "num_reqs": s["running"] + s["waiting"], "num_waiting_reqs": s["waiting"],
+                           "num_tokens": s["used"], "ts_tic": time.perf_counter()}])
+
+
+async def v1_loads(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if engine.vt < (0, 5, 10):
+        raise web.HTTPNotFound()
+    s = engine.load_snapshot()
+    load = {"dp_rank": 0, "num_running_reqs": s["running"], "num_waiting_reqs": s["waiting"],
+            "num_used_tokens": s["used"], "max_total_num_tokens": s["cap"], "token_usage": round(s["usage"], 6),
+            "cache_hit_rate": round(engine.metrics.cache_hit_rate, 6),
+            "gen_throughput": engine.metrics.gen_throughput()}
+    if engine.host_tokens:
+        load["hicache_host_used_tokens"] = engine.cache.tiers[1].used_tokens
+        load["hicache_host_total_tokens"] = engine.cache.tiers[1].capacity_tokens
+    return json_response({"timestamp": time.time(), "version": engine.version, "loads": [load]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not engine.args.enable_metrics:
+        raise web.HTTPNotFound()
+    s = engine.load_snapshot()
+    values = {"num_running_reqs": s["running"], "num_queue_reqs": s["waiting"], "num_used_tokens": s["used"],
+              "max_total_num_tokens": s["cap"], "token_usage": s["usage"], "page_size": engine.page_size,
+              "hicache_host_used_tokens": engine.cache.tiers[1].used_tokens if engine.host_tokens else 0,
+              "hicache_host_total_tokens": engine.cache.tiers[1].capacity_tokens if engine.host_tokens else 0}
+    if engine.pd is not None:
+        values.update(engine.pd.queue_gauges())
+    body = engine.metrics.render(values)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+# ---- control ------------------------------------------------------------------------------------
+async def flush_cache(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not engine.scheduler.flush():
+        return web.Response(status=400, text="Cache not flushed. Please check backend logs for more details. "
+                                             "(When there are running or waiting requests, the operation will "
+                                             "not be performed.)\n")
+    return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                             "or waiting requests, the operation will not be performed.)\n")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    raw = await request.read()
+    body = _any_decoder.decode(raw) if raw else {}
+    if body.get("abort_all"):
+        engine.scheduler.abort(None, "Abort all requests")
+    elif body.get("rid"):
+        engine.scheduler.abort(body["rid"], "Abort request")
+    return web.Response(status=200)
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_put("/generate", generate)
+    for path, h in (("/health", health), ("/health_generate", health_generate), ("/ready", ready),
+                    ("/server_info", get_server_info), ("/get_server_info", get_server_info),
+                    ("/model_info", model_info), ("/get_model_info", model_info), ("/v1/models", models),
+                    ("/get_load", get_load), ("/v1/loads", v1_loads), ("/metrics", metrics)):
+        r.add_get(path, h)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)

@@ -1,0 +1,220 @@
+"""OpenAI-compatible routes (/v1/chat/completions, /v1/completions) in SGLang's shapes.
+
+Both accept SGLang's extras (top_k, min_p, regex, rid, cache_salt, priority, the PD
+``bootstrap_*`` fields, ...) and report ``usage.prompt_tokens_details.cached_tokens``
+when cache reporting is on (SGLang's ``--enable-cache-report``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from wire.chat_template import apply_chat_template
+
+from .engine import ApiError, Engine, Item
+from .http_common import DONE, ENGINE, json_response, open_sse, openai_error, sse
+from .http_native import apply_faults
+from .item_stream import merged
+from .protocol import SamplingParams
+from .runner import Progress, collect
+
+_decoder = msgspec.json.Decoder()
+
+_SAMPLING_FROM_OPENAI = {  # OpenAI/SGLang request field -> SGLang sampling param
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "regex": "regex", "ebnf": "ebnf",
+    "json_schema": "json_schema", "no_stop_trim": "no_stop_trim", "skip_special_tokens": "skip_special_tokens",
+    "seed": "sampling_seed", "logit_bias": "logit_bias", "n": "n",
+}
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    raw: dict[str, Any] = {}
+    for k, v in _SAMPLING_FROM_OPENAI.items():
+        if body.get(k) is not None:
+            raw[v] = body[k]
+    mx = body.get("max_completion_tokens", body.get("max_tokens"))
+    if mx is not None:
+        raw["max_new_tokens"] = mx
+    if isinstance(raw.get("logit_bias"), dict):
+        raw["logit_bias"] = {str(k): float(v) for k, v in raw["logit_bias"].items()}
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _items(engine: Engine, body: dict[str, Any], prompts: list[list[int]], stream: bool) -> list[Item]:
+    params = _params(body)
+    rid = body.get("rid")
+    items = []
+    idx = 0
+    n = max(params.n, 1)
+    for i, ids in enumerate(prompts):
+        for j in range(n):
+            r = rid if isinstance(rid, str) and len(prompts) * n == 1 else (
+                f"{rid}_{idx}" if isinstance(rid, str) else uuid.uuid4().hex)
+            items.append(Item(
+                index=idx, rid=r, input_ids=ids, params=params, stream=stream,
+                bootstrap_host=_pick(body.get("bootstrap_host"), idx), bootstrap_port=_pick(body.get("bootstrap_port"), idx),
+                bootstrap_room=_pick(body.get("bootstrap_room"), idx), cache_salt=body.get("cache_salt"),
+                priority=body.get("priority"), seed_offset=j,
+                return_logprob=bool(body.get("logprobs")),
+            ))
+            idx += 1
+    for it in items:
+        engine.validate(it)
+    return items
+
+
+def _pick(v: Any, i: int) -> Any:
+    return (v[i] if i < len(v) else None) if isinstance(v, list) else v
+
+
+def _finish(engine: Engine, p: Progress) -> tuple[str | None, Any]:
+    fr = engine.finish_reason(p.req, p.n) if p.finished else None
+    if fr is None:
+        return None, None
+    if fr["type"] == "stop":
+        return "stop", fr.get("matched")
+    if fr["type"] == "abort":
+        return "abort", None
+    return "length", None
+
+
+def _usage(engine: Engine, ps: list[Progress]) -> dict[str, Any]:
+    prompt = sum(p.req.prompt_len for p in ps if p.item.seed_offset == 0)
+    completion = sum(p.n for p in ps)
+    u: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                         "prompt_tokens_details": None, "reasoning_tokens": 0}
+    if engine.args.enable_cache_report:
+        u["prompt_tokens_details"] = {"cached_tokens": sum(p.req.cached_tokens for p in ps if p.item.seed_offset == 0)}
+    return u
+
+
+async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        body = _decoder.decode(await request.read())
+        if not isinstance(body, dict):
+            raise ApiError(400, "Request body must be a JSON object")
+    except msgspec.DecodeError as e:
+        return openai_error(ApiError(400, f"Invalid JSON: {e}"))
+    except ApiError as e:
+        return openai_error(e)
+    try:
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "messages must be a non-empty list")
+            prompts = [engine.tokenizer.encode(apply_chat_template(msgs))]
+        else:
+            prompts = _prompts(engine, body.get("prompt"))
+        stream = bool(body.get("stream"))
+        items = _items(engine, body, prompts, stream)
+        await apply_faults(engine)
+        if stream:
+            return await _stream(request, engine, body, items, chat)
+        results = await asyncio.gather(*(collect(engine, it) for it in items))
+    except ApiError as e:
+        return openai_error(e)
+    for p in results:
+        if p.req.abort_message and p.req.abort_message.startswith("Decode transfer"):
+            return openai_error(ApiError(500, p.req.abort_message, "InternalServerError"))
+    choices = []
+    for p in results:
+        reason, matched = _finish(engine, p)
+        text = engine.text_of(p.req, p.n)
+        if chat:
+            choices.append({"index": p.item.index, "message": {"role": "assistant", "content": text,
+                            "reasoning_content": None, "tool_calls": None}, "logprobs": None,
+                            "finish_reason": reason, "matched_stop": matched})
+        else:
+            choices.append({"index": p.item.index, "text": text, "logprobs": None, "finish_reason": reason,
+                            "matched_stop": matched})
+    return json_response({
+        "id": results[0].req.rid, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": body.get("model") or engine.args.model_name, "choices": choices,
+        "usage": _usage(engine, results), "metadata": {"weight_version": "default"},
+    })
+
+
+def _prompts(engine: Engine, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [engine.tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(x, str) for x in prompt):
+            return [engine.tokenizer.encode(x) for x in prompt]
+        if all(isinstance(x, int) for x in prompt):
+            return [list(prompt)]
+        if all(isinstance(x, list) for x in prompt):
+            return [list(x) for x in prompt]
+    raise ApiError(400, "prompt must be a string, a list of strings or token ids")
+
+
+async def _stream(request: web.Request, engine: Engine, body: dict[str, Any], items: list[Item],
+                  chat: bool) -> web.StreamResponse:
+    resp = await open_sse(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    model = body.get("model") or engine.args.model_name
+    created = int(time.time())
+    cid = items[0].rid
+    opts = body.get("stream_options") or {}
+    include_usage = bool(opts.get("include_usage"))
+    continuous_usage = bool(opts.get("continuous_usage_stats"))
+    sent_chars: dict[int, int] = {}
+    last: dict[int, Progress] = {}
+
+    def chunk(choice: dict[str, Any], usage: Any = None) -> bytes:
+        return sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice],
+                    "usage": usage})
+
+    if chat:
+        for it in items:
+            await resp.write(chunk({"index": it.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None, "matched_stop": None}))
+    async for p in merged(engine, items):
+        if isinstance(p, ApiError):
+            await resp.write(sse({"error": {"message": p.message, "type": p.err_type, "code": p.status}}))
+            break
+        last[p.item.index] = p
+        text = engine.text_of(p.req, p.n)
+        prev = sent_chars.get(p.item.index, 0)
+        delta = text[prev:]
+        sent_chars[p.item.index] = len(text)
+        reason, matched = _finish(engine, p)
+        if not delta and reason is None:
+            continue
+        usage = _usage(engine, [p]) if continuous_usage else None
+        if chat:
+            await resp.write(chunk({"index": p.item.index, "delta": {"content": delta} if delta else {},
+                                    "logprobs": None, "finish_reason": reason, "matched_stop": matched}, usage))
+        else:
+            await resp.write(chunk({"index": p.item.index, "text": delta, "logprobs": None,
+                                    "finish_reason": reason, "matched_stop": matched}, usage))
+    if include_usage and last:
+        await resp.write(sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+                              "usage": _usage(engine, list(last.values()))}))
+    await resp.write(DONE)
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _common(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _common(request, chat=False)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)

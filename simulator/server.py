@@ -1,0 +1,70 @@
+"""``python -m simulator serve``: one simulated SGLang worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from .config import parse_args
+from .engine import Engine
+from .http_common import ENGINE
+
+log = logging.getLogger("simulator")
+
+
+def build_app(engine: Engine) -> web.Application:
+    from . import http_native, http_openai
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[ENGINE] = engine
+    http_native.add_routes(app)
+    http_openai.add_routes(app)
+    return app
+
+
+async def serve(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    engine = Engine(args)
+    await engine.start()
+    if args.disaggregation_mode != "null":
+        from .disagg import start_pd
+
+        try:
+            engine.pd = await start_pd(engine)
+        except ImportError as e:
+            log.error("PD mode needs the Mooncake transfer engine: %s", e)
+            print(f"error: --disaggregation-mode {args.disaggregation_mode} needs mooncake "
+                  f"(pip install mooncake-transfer-engine-non-cuda): {e}", file=sys.stderr)
+            return 2
+    runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, backlog=1024)
+    await site.start()
+    log.info("simulated SGLang %s (%s) serving %s on http://%s:%d", args.sglang_version, args.profile,
+             args.model_name, args.host, args.port)
+    print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if engine.pd is not None:
+        await engine.pd.close()
+    await engine.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    return asyncio.run(serve(argv))

@@ -1,0 +1,59 @@
+"""Trace expansion, oracle hit rates and an end-to-end replay against a simulated worker."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+
+from bench.replay import main as replay_main
+from bench.replay import replay
+from bench.trace import TraceRecord, bounded_oracle_hit_rate, expand, load_trace, oracle_hit_rate
+from tests.sim_support import sim_worker
+
+TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+
+
+def test_expand_is_deterministic_and_prefixes_are_real():
+    a = TraceRecord(0, 1100, 5, [7, 8, 9])
+    b = TraceRecord(0, 700, 5, [7, 8])
+    c = TraceRecord(0, 600, 5, [6, 8])
+    ta, tb, tc = expand(a), expand(b), expand(c)
+    assert len(ta) == 1100 and len(tb) == 700 and ta.isascii() and ta.isprintable()
+    assert ta[:700] == tb  # same leading hash ids -> same leading tokens
+    assert tc[:512] != ta[:512] and expand(a) == ta
+
+
+def test_oracle_hit_rates():
+    recs = [TraceRecord(0, 1024, 1, [1, 2]), TraceRecord(1, 1024, 1, [1, 2]), TraceRecord(2, 1024, 1, [1, 3])]
+    # 2nd: everything but the last page (1024 - 64); 3rd: the first block (512)
+    assert oracle_hit_rate(recs, page_size=64) == (960 + 512) / 3072
+    assert bounded_oracle_hit_rate(recs, 10**9, page_size=64) == oracle_hit_rate(recs, page_size=64)
+    assert bounded_oracle_hit_rate(recs, 512, page_size=64) < oracle_hit_rate(recs, page_size=64)
+    real = load_trace(TRACE, 500)
+    inf = oracle_hit_rate(real)
+    assert 0 < bounded_oracle_hit_rate(real, 200_000) <= inf < 1
+
+
+def test_replay_against_simulator(tmp_path):
+    recs = [TraceRecord(i * 10, 700 + i, 4, [0, 100 + (i % 2)]) for i in range(12)]
+    with sim_worker("--time-scale", "50") as (url, _):
+        result = asyncio.run(replay(recs, url, api="generate", speedup=50, concurrency=8))
+        s = result.summary()
+        assert s["ok"] == 12 and s["time_scale"] == 50
+        assert all(r.completion_tokens == 4 and r.ttft_s is not None for r in result.rows)
+        # every request after the first two shares a full 576-token prefix page run with an earlier one
+        assert sum(r.cached_tokens for r in result.rows[2:]) >= 10 * 512
+        chat = asyncio.run(replay(recs[:4], url, api="chat", speedup=50, concurrency=4))
+        assert chat.summary()["ok"] == 4 and chat.rows[3].cached_tokens > 0
+        trace = tmp_path / "t.jsonl"
+        trace.write_text("\n".join(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                               "output_length": r.output_length, "hash_ids": r.hash_ids})
+                                   for r in recs))
+        out = tmp_path / "out"
+        assert replay_main(["--url", url, "--trace", str(trace), "--limit", "6", "--api", "completions",
+                            "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "requests.csv")))
+    assert len(rows) == 6 and all(r["ok"] == "True" for r in rows)
+    assert json.loads((out / "summary.json").read_text())["summary"]["ok"] == 6
+    assert (out / "ttft_cdf.png").stat().st_size > 0 and (out / "hit_rate.png").exists()

@@ -1,0 +1,175 @@
+"""The simulated worker over real HTTP: the official openai SDK, /generate semantics, errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.sim_support import sim_worker
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with sim_worker("--time-scale", "50", "--model-name", "sim-llama-8b") as (url, proc):
+        yield url
+
+
+def post(url: str, body: dict, timeout: float = 30) -> tuple[int, object]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        return e.code, json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+
+
+def get(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def sse_events(url: str, body: dict) -> list:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=30) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: "):
+                data = line[6:]
+                out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def test_openai_sdk_chat_completions_and_cache_report(worker):
+    client = openai.OpenAI(base_url=worker + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "system", "content": "S" * 700}, {"role": "user", "content": "hello there"}]
+    first = client.chat.completions.create(model="sim-llama-8b", messages=msgs, max_tokens=16)
+    assert first.object == "chat.completion"
+    assert first.choices[0].finish_reason == "length"
+    assert len(first.choices[0].message.content) == 16
+    assert first.usage.completion_tokens == 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model="sim-llama-8b", messages=msgs, max_tokens=16)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 640 and cached % 64 == 0 and cached < again.usage.prompt_tokens
+
+
+def test_openai_sdk_streaming_and_completions(worker):
+    client = openai.OpenAI(base_url=worker + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=20,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text) == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    comp = client.completions.create(model="m", prompt="The quick brown fox", max_tokens=7)
+    assert comp.object == "text_completion" and len(comp.choices[0].text) == 7
+    sc = list(client.completions.create(model="m", prompt="abc", max_tokens=9, stream=True))
+    assert "".join(c.choices[0].text for c in sc if c.choices) and sc[-1].choices[0].finish_reason == "length"
+
+
+def test_generate_batch_rid_n_and_determinism(worker):
+    status, out = post(worker + "/generate", {"text": ["a", "b"], "rid": "req", "sampling_params": {"max_new_tokens": 5}})
+    assert status == 200 and isinstance(out, list) and len(out) == 2
+    assert [o["meta_info"]["id"] for o in out] == ["req_0", "req_1"]
+    assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 5} for o in out)
+    assert all(len(o["output_ids"]) == 5 and o["text"].isprintable() for o in out)
+    # 2-D input_ids batch, and n > 1 on a single prompt
+    status, out2 = post(worker + "/generate", {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and [o["meta_info"]["prompt_tokens"] for o in out2] == [3, 2]
+    status, out3 = post(worker + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "n": 3}})
+    assert status == 200 and len(out3) == 3
+    # same rid -> same tokens (deterministic given rid)
+    a = post(worker + "/generate", {"text": "q", "rid": "same", "sampling_params": {"max_new_tokens": 12}})[1]
+    b = post(worker + "/generate", {"text": "q", "rid": "same", "sampling_params": {"max_new_tokens": 12}})[1]
+    assert a["output_ids"] == b["output_ids"]
+
+
+def test_generate_single_shape_logprobs_and_stop(worker):
+    status, out = post(worker + "/generate", {"input_ids": [5, 6, 7, 8], "return_logprob": True,
+                                              "sampling_params": {"max_new_tokens": 6}})
+    meta = out["meta_info"]
+    assert status == 200
+    for key in ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                "cached_tokens_details", "e2e_latency"):
+        assert key in meta
+    assert set(meta["cached_tokens_details"]) >= {"device", "host"}
+    assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(len(t) == 3 and t[2] is None for t in meta["output_token_logprobs"])
+    # a stop string that certainly occurs: take a piece of a known output
+    probe = post(worker + "/generate", {"text": "s", "rid": "stopper", "sampling_params": {"max_new_tokens": 40}})[1]
+    stop = probe["text"][10:12]
+    cut = probe["text"].find(stop)
+    out = post(worker + "/generate", {"text": "s", "rid": "stopper",
+                                      "sampling_params": {"max_new_tokens": 40, "stop": [stop]}})[1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == probe["text"][:cut]
+
+
+def test_generate_stream_cumulative(worker):
+    events = sse_events(worker + "/generate", {"text": "stream me", "stream": True,
+                                               "sampling_params": {"max_new_tokens": 30}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts = [c["text"] for c in chunks]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    assert len(chunks[-1]["output_ids"]) == 30 and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_unknown_sampling_key_is_400(worker):
+    status, body = post(worker + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "bogus_key": 1}})
+    assert status == 400 and "unknown field" in body["error"] and "bogus_key" in body["error"]
+    status, body = post(worker + "/generate", {"sampling_params": {}})
+    assert status == 400 and "message" in body["error"]
+    client = openai.OpenAI(base_url=worker + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[], max_tokens=2)
+
+
+def test_info_models_load_routes(worker):
+    info = get(worker + "/server_info")
+    for key in ("model_path", "served_model_name", "page_size", "dp_size", "disaggregation_mode",
+                "disaggregation_bootstrap_port", "version", "time_scale"):
+        assert key in info
+    assert info["time_scale"] == 50 and info["version"] == "0.5.23" and "kv_events" not in info
+    assert get(worker + "/get_server_info")["served_model_name"] == "sim-llama-8b"
+    assert get(worker + "/model_info")["model_path"] == info["model_path"]
+    assert get(worker + "/v1/models")["data"][0]["id"] == "sim-llama-8b"
+    loads = get(worker + "/v1/loads")
+    assert loads["loads"][0]["max_total_num_tokens"] == info["max_total_num_tokens"]
+    with pytest.raises(urllib.error.HTTPError):  # 0.5.23 has no /get_load
+        get(worker + "/get_load")
+    metrics = urllib.request.urlopen(worker + "/metrics", timeout=5).read().decode()
+    assert 'sglang:num_running_reqs{engine_type="unified",model_name="sim-llama-8b",pp_rank="0",tp_rank="0"}' in metrics
+    assert "sglang:time_to_first_token_seconds_bucket" in metrics
+
+
+def test_flush_cache_refused_while_running_and_abort(worker):
+    result = {}
+
+    def long_request():
+        result["r"] = post(worker + "/generate", {"text": "long", "rid": "to-abort",
+                                                  "sampling_params": {"max_new_tokens": 100000}})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 10
+    while get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, _ = post(worker + "/flush_cache", {})
+    assert status == 400
+    assert post(worker + "/abort_request", {"rid": "to-abort"})[0] == 200
+    t.join(10)
+    status, out = result["r"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(worker + "/flush_cache", {})[0] == 200

@@ -1,0 +1,41 @@
+"""SimCluster and ``kvgate sim`` start real worker processes and stop them cleanly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+
+from simulator.cluster import SimCluster
+from tests.support import Proc, http_status
+
+
+def test_sim_cluster_start_stop():
+    with SimCluster(workers=2, engine_args=["--time-scale", "20"], startup_timeout=30, kv_events=True) as c:
+        assert len(c.urls) == 2 and len(set(c.urls)) == 2
+        assert set(c.kv_event_endpoints) == set(c.urls)
+        for url in c.urls:
+            info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=5).read())
+            assert info["time_scale"] == 20
+            port = c.kv_event_endpoints[url].rsplit(":", 1)[1]
+            assert info["kv_events"]["endpoint"] == f"tcp://*:{port}"
+        urls = list(c.urls)
+    assert all(http_status(u + "/health") is None for u in urls)
+
+
+def test_kvgate_sim_cli_prints_urls_and_stops_on_sigterm():
+    proc = Proc.python("simulator", "sim", "--workers", "2", "--time-scale", "20", name="kvgate-sim")
+    try:
+        deadline = time.monotonic() + 30
+        urls: list[str] = []
+        while time.monotonic() < deadline and len(urls) < 2:
+            urls = [ln.split()[1] for ln in proc.output().splitlines() if ln.startswith("worker ")]
+            time.sleep(0.1)
+        assert len(urls) == 2, proc.output()
+        assert all(http_status(u + "/health") == 200 for u in urls)
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(15) == 0
+        assert all(http_status(u + "/health") is None for u in urls)
+    finally:
+        proc.stop()

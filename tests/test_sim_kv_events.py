@@ -1,0 +1,106 @@
+"""KV events from a running simulator, read by a real ZMQ subscriber and decoded with wire.kv_events."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import msgspec
+import pytest
+import zmq
+
+from tests.sim_support import sim_worker
+from tests.support import free_port
+from wire.hashing import page_hashes
+from wire.kv_events import AllBlocksCleared, BlockStored, decode_batch, pack_seq, unpack_seq
+
+VECTOR = [3817746824117602890, -4216701448867210342]  # tokens [1,2,3,4], page size 2
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read()) if r.headers.get("Content-Type", "").startswith("application/json") else {}
+
+
+def _collect(sub: zmq.Socket, want, timeout: float = 5.0) -> list:
+    frames_seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sub.poll(100):
+            frames = sub.recv_multipart()
+            frames_seen.append(frames)
+            if want(frames_seen):
+                break
+    return frames_seen
+
+
+@pytest.mark.parametrize("version,legacy", [("0.5.23", False), ("0.5.19", True)])
+def test_hash_vector_and_replay(version, legacy):
+    pub, replay = free_port(), free_port()
+    cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv",
+                      "replay_endpoint": f"tcp://*:{replay}"})
+    with sim_worker("--page-size", "2", "--time-scale", "50", "--kv-events-config", cfg,
+                    "--sglang-version", version) as (url, _):
+        info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=5).read())
+        assert info["kv_events"]["endpoint"] == f"tcp://*:{pub}"
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(info["kv_events"]["endpoint"].replace("*", "127.0.0.1"))
+        try:
+            time.sleep(0.3)  # PUB/SUB slow joiner
+            _post(url + "/generate", {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 1}})
+
+            def stored(fs):
+                hs = [h for f in fs for e in decode_batch(f[2]).events if isinstance(e, BlockStored)
+                      for h in e.block_hashes]
+                return set(VECTOR) <= set(hs)
+
+            frames = _collect(sub, stored)
+            assert frames and stored(frames), frames
+            assert all(f[0] == b"kv" and len(f[1]) == 8 for f in frames)
+            assert unpack_seq(frames[0][1]) == 0
+            raw = msgspec.msgpack.decode(frames[0][2])
+            assert isinstance(raw[1][0], list if legacy else dict)  # event encoding follows the version
+            events = [e for f in frames for e in decode_batch(f[2]).events]
+            first = next(e for e in events if e.block_hashes == [VECTOR[0]])
+            second = next(e for e in events if e.block_hashes == [VECTOR[1]])
+            assert (first.parent_block_hash, first.token_ids, first.block_size, first.medium) == (None, [1, 2], 2, "GPU")
+            assert (second.parent_block_hash, second.token_ids) == (VECTOR[0], [3, 4])
+
+            # a salted request chains from the salt seed, never sharing pages with unsalted ones
+            _post(url + "/generate", {"input_ids": [1, 2, 3, 4, 5], "cache_salt": "tenant-a",
+                                      "sampling_params": {"max_new_tokens": 1}})
+            salted = page_hashes([1, 2, 3, 4], 2, "tenant-a")
+            got = _collect(sub, lambda fs: any(e.block_hashes == [salted[1]] for f in fs
+                                               for e in decode_batch(f[2]).events if isinstance(e, BlockStored)))
+            assert got and not set(salted) & set(VECTOR)
+
+            # flush -> AllBlocksCleared
+            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=5)
+            got = _collect(sub, lambda fs: any(isinstance(e, AllBlocksCleared) for f in fs
+                                               for e in decode_batch(f[2]).events))
+            assert any(isinstance(e, AllBlocksCleared) for f in got for e in decode_batch(f[2]).events)
+            last_seq = unpack_seq(got[-1][1])
+
+            # replay from seq 1: every buffered batch from 1 on, then seq -1
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(info["kv_events"]["replay_endpoint"].replace("*", "127.0.0.1"))
+            dealer.send_multipart([b"", pack_seq(1)])
+            seqs = []
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                assert dealer.poll(2000), "replay did not answer"
+                empty, seq, payload = dealer.recv_multipart()
+                assert empty == b""
+                if unpack_seq(seq) == -1:
+                    break
+                decode_batch(payload)
+                seqs.append(unpack_seq(seq))
+            assert seqs == list(range(1, last_seq + 1))
+            dealer.close(0)
+        finally:
+            sub.close(0)
+            ctx.term()

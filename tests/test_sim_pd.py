@@ -1,0 +1,95 @@
+"""PD disaggregation between two simulated workers, KV bytes moved by Mooncake for real."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="Mooncake transfer engine not importable")
+
+from simulator.cluster import SimCluster  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pd():
+    with SimCluster(workers=0, prefill=1, decode=1, startup_timeout=40,
+                    engine_args=["--time-scale", "20", "--disaggregation-waiting-timeout", "1.5",
+                                 "--disaggregation-bootstrap-timeout", "1.5"]) as c:
+        yield c
+
+
+def post(url: str, body: dict, timeout: float = 30) -> tuple[int, object]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def pd_request(pd: SimCluster, body: dict) -> tuple[tuple, tuple]:
+    """Send the same body to prefill and decode concurrently, like sglang-router."""
+    (purl, bport), durl = pd.prefill[0], pd.decode[0]
+    body = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=bport, bootstrap_room=random.randrange(2**63))
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("p", post(purl + "/generate", body)))
+    t.start()
+    d = post(durl + "/generate", body)
+    t.join(30)
+    return out["p"], d
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_pd_request_moves_kv_through_mooncake(pd):
+    (purl, _), durl = pd.prefill[0], pd.decode[0]
+    (ps, pout), (ds, dout) = pd_request(pd, {"text": "P" * 3000, "sampling_params": {"max_new_tokens": 12}})
+    assert ps == 200 and ds == 200, (pout, dout)
+    assert pout["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(pout["output_ids"]) == 1
+    assert pout["meta_info"]["kv_transfer"]["bytes"] == 3000 * 4096
+    assert dout["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert dout["output_ids"][0] == pout["output_ids"][0]  # decode continues prefill's first token
+    assert metric(durl, "sglang:kv_transfer_latency_ms_count") >= 1
+    assert metric(purl, "sglang:kv_transfer_latency_ms_count") >= 1
+    info = json.loads(urllib.request.urlopen(purl + "/server_info", timeout=5).read())
+    assert info["disaggregation_mode"] == "prefill" and info["disaggregation_bootstrap_port"] == pd.prefill[0][1]
+    # the bootstrap server answers SGLang's routes
+    boot = f"http://127.0.0.1:{pd.prefill[0][1]}"
+    assert urllib.request.urlopen(boot + "/health", timeout=5).status == 200
+    assert "rank_port" in json.loads(urllib.request.urlopen(boot + "/route?engine_rank=0&target_dp_group=0",
+                                                            timeout=5).read())
+
+
+def test_decode_without_room_is_400(pd):
+    status, body = post(pd.decode[0] + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 400
+    assert body["error"]["message"] == "Disaggregated request received without bootstrap room id"
+
+
+def test_room_that_never_arrives_times_out(pd):
+    durl = pd.decode[0]
+    body = {"text": "lonely", "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.prefill[0][1],
+            "bootstrap_room": 12345, "sampling_params": {"max_new_tokens": 4}}
+    t0 = time.monotonic()
+    status, out = post(durl + "/generate", body)
+    assert status == 500 and out["error"]["message"].startswith("Decode transfer failed for request")
+    assert 1.0 < time.monotonic() - t0 < 10
+    req = urllib.request.Request(durl + "/generate", data=json.dumps(dict(body, stream=True, bootstrap_room=678)).encode())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        lines = [ln.strip() for ln in r if ln.strip()]
+    assert lines[-1] == b"data: [DONE]"
+    chunk = json.loads(lines[-2][6:])
+    assert chunk["meta_info"]["finish_reason"]["type"] == "abort"
+    assert metric(durl, "sglang:num_transfer_failed_reqs_total") >= 2
