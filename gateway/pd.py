@@ -37,7 +37,8 @@ _dec = msgspec.json.decode
 
 def batch_size(body: Body) -> int | None:
     """Items the engine will expand the request into, or None for a single request."""
-    n = body.n or 1
+    sp = body.sampling_params
+    n = body.n or (sp.n if sp is not None and not isinstance(sp, list) else None) or 1
     for field in (body.text, body.input_ids, body.prompt):
         if isinstance(field, list) and field and isinstance(field[0], (str, list)):
             return len(field) * n
@@ -93,8 +94,11 @@ class PDProxy(Proxy):
         self.decode_policy = decode_policy
 
     async def _pair(self, view: RequestView, tried: set[str]) -> tuple[Choice, Choice] | None:
-        prefills = self.registry.candidates(view.model, role="prefill", exclude=tried)
-        decodes = self.registry.candidates(view.model, role="decode", exclude=tried)
+        def pool(role: str) -> list[Worker]:  # untried first, as in Proxy.forward
+            return (self.registry.candidates(view.model, role=role, exclude=tried)
+                    or (self.registry.candidates(view.model, role=role) if tried else []))
+
+        prefills, decodes = pool("prefill"), pool("decode")
         if not prefills or not decodes:
             return None
         pair = getattr(self.prefill_policy, "select_pair", None)

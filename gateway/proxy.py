@@ -119,7 +119,10 @@ class Proxy:
         tried: list[str] = []
         last_failure: tuple[int, bytes, str] | None = None
         for attempt in range(self.max_retries + 1):
-            candidates = self.registry.candidates(view.model, exclude=tried)
+            # Prefer workers not tried yet; when every one was, any available one (a fault
+            # may be the request's bad luck, not the worker's; the breaker catches the rest).
+            candidates = self.registry.candidates(view.model, exclude=tried) or (
+                self.registry.candidates(view.model) if tried else [])
             if not candidates:
                 break
             try:

@@ -27,6 +27,7 @@ class _Message(msgspec.Struct):
 
 class _Sampling(msgspec.Struct):
     max_new_tokens: int | None = None
+    n: int | None = None
 
 
 class Body(msgspec.Struct):

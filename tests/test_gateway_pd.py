@@ -1,0 +1,153 @@
+"""Prefill/decode disaggregation through the gateway, on simulated 2P+2D clusters whose
+KV really moves through the Mooncake transfer engine over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.conftest import MODEL, _start_gateway, _start_sim
+from tests.support import free_port, get_text, metric_value, request_json
+from tests.test_gateway_faults import _stream
+
+pytest.importorskip("mooncake.engine", reason="PD tests need the Mooncake transfer engine (pip extra 'mooncake')")
+
+
+def pd_args(prefills, decodes) -> tuple[str, ...]:
+    args: list[str] = ["--pd-disaggregation"]
+    for url, port in prefills:
+        args += ["--prefill", url, str(port)]
+    for url in decodes:
+        args += ["--decode", url]
+    return tuple(args)
+
+
+def start_pd(procs, n_prefill=2, n_decode=2, prefill_args=(), decode_args=(), gateway_args=()):
+    prefills, decodes = [], []
+    for i in range(n_prefill):
+        port = free_port()
+        p = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "prefill",
+                       "--disaggregation-bootstrap-port", str(port), *prefill_args, name=f"prefill{i}")
+        prefills.append((p.url, port))
+    for i in range(n_decode):
+        d = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "decode",
+                       "--disaggregation-waiting-timeout", "60", *decode_args, name=f"decode{i}")
+        decodes.append(d)
+    gw = _start_gateway(procs, args=pd_args(prefills, [d.url for d in decodes]) + tuple(gateway_args))
+    return gw, prefills, decodes
+
+
+@pytest.fixture(scope="module")
+def pd_fleet():
+    procs: list = []
+    try:
+        yield start_pd(procs)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+def procs():
+    started: list = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def test_readiness_and_models_in_pd_mode(pd_fleet):
+    gw, _, _ = pd_fleet
+    status, data = request_json("GET", gw.url + "/readiness")
+    assert status == 200 and data["healthy_workers"] == 4
+    assert request_json("GET", gw.url + "/v1/models")[1]["data"][0]["id"] == MODEL
+    status, info = request_json("GET", gw.url + "/server_info")
+    assert status == 200 and info["disaggregation_mode"] == "decode"
+
+
+def test_chat_plain_and_streamed_through_a_pair(pd_fleet):
+    gw, prefills, decodes = pd_fleet
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "PD hello " * 20}],
+                                          max_tokens=10)
+    assert resp.usage.completion_tokens == 10 and resp.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "PD stream"}],
+                                                 max_tokens=10, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    moved = sum(metric_value(get_text(d.url + "/metrics"), "sglang:kv_transfer_latency_ms_count") for d in decodes)
+    assert moved >= 2  # both answers really came through a KV transfer
+
+
+def test_input_logprobs_from_prefill_are_merged_in_front(pd_fleet):
+    gw, _, _ = pd_fleet
+    body = {"text": "logprob prompt with several tokens", "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 4}}
+    status, data = request_json("POST", gw.url + "/generate", body)
+    assert status == 200
+    meta = data["meta_info"]
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert len(meta["output_token_logprobs"]) == 4
+    events = asyncio.run(_stream(gw.url + "/generate", {**body, "stream": True}))
+    first = json.loads(events[0].removeprefix(b"data: "))
+    assert len(first["meta_info"]["input_token_logprobs"]) == meta["prompt_tokens"]
+
+
+def test_batch_gets_one_room_per_item(pd_fleet):
+    gw, _, _ = pd_fleet
+    status, data = request_json("POST", gw.url + "/generate", {
+        "text": ["batch one", "batch two", "batch three"], "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and len(data) == 3
+    assert all(d["meta_info"]["completion_tokens"] == 3 for d in data)
+    status, data = request_json("POST", gw.url + "/generate", {"text": "n items", "sampling_params": {
+        "max_new_tokens": 2, "n": 2}})
+    assert status == 200 and len(data) == 2
+
+
+def test_prefill_rejection_fails_fast_and_aborts_the_decode_leg(procs):
+    gw, _, decodes = start_pd(procs, 1, 1, prefill_args=("--context-length", "64"))
+    started = time.monotonic()
+    status, data = request_json("POST", gw.url + "/generate", {"text": "x" * 200, "sampling_params": {
+        "max_new_tokens": 4}})
+    elapsed = time.monotonic() - started
+    assert status == 400 and "context length" in json.dumps(data)
+    assert elapsed < 5  # the decode leg would otherwise wait out its 60 s room timeout
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        m = get_text(decodes[0].url + "/metrics")
+        if metric_value(m, "sglang:num_decode_prealloc_queue_reqs") + metric_value(m, "sglang:num_running_reqs") == 0:
+            break
+        time.sleep(0.1)
+    assert metric_value(m, "sglang:num_decode_prealloc_queue_reqs") + metric_value(m, "sglang:num_running_reqs") == 0
+    assert request_json("POST", gw.url + "/generate", {"text": "short", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_decode_killed_mid_stream_ends_with_error_frame(procs):
+    gw, _, decodes = start_pd(procs, 1, 1, decode_args=("--time-scale", "1"))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 3000, "stream": True}
+
+    def kill(n: int) -> None:
+        if n == 3:
+            decodes[0].kill(signal.SIGKILL)
+
+    events = asyncio.run(_stream(gw.url + "/v1/chat/completions", body, on_chunk=kill))
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+
+
+def test_transfer_failures_are_retried_and_everyone_else_succeeds(procs):
+    gw, prefills, decodes = start_pd(procs, 2, 2, prefill_args=("--fault-transfer-fail-rate", "0.05"),
+                                     gateway_args=("--cb-failure-threshold", "50", "--max-retries", "3"))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: request_json("POST", gw.url + "/generate", {
+            "text": f"request {i} " * 10, "sampling_params": {"max_new_tokens": 3}}), range(80)))
+    assert [s for s, _ in results].count(200) == 80, [d for s, d in results if s != 200][:3]
+    _, state = request_json("GET", gw.url + "/workers")
+    assert all(w["healthy"] for w in state["workers"])
+    failed = sum(metric_value(get_text(p) , "sglang:num_transfer_failed_reqs_total")
+                 for p in [u + "/metrics" for u, _ in prefills] + [d.url + "/metrics" for d in decodes])
+    assert failed >= 1  # the fault really fired, and the gateway hid it
