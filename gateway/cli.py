@@ -149,14 +149,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_args += ["--profile", args.profile]
     if args.time_scale:
         engine_args += ["--time-scale", str(args.time_scale)]
-    cluster = SimCluster(workers=args.workers, host="127.0.0.1", engine_args=engine_args)
+    if args.pd:
+        cluster = SimCluster(workers=0, prefill=args.prefill_workers, decode=args.decode_workers,
+                             engine_args=engine_args, kv_events=args.kv_events)
+    else:
+        cluster = SimCluster(workers=args.workers, engine_args=engine_args, kv_events=args.kv_events)
     cluster.start()
     try:
         specs = [WorkerSpec(url=u) for u in cluster.urls]
+        specs += [WorkerSpec(url=u, role="prefill", bootstrap_port=port) for u, port in cluster.prefill]
+        specs += [WorkerSpec(url=u, role="decode") for u in cluster.decode]
         cfg = config_from_args(args, extra_workers=specs)
-        print(f"kvgate up: {len(specs)} simulated workers: {' '.join(cluster.urls)}", flush=True)
-        print(f"kvgate up: gateway on http://{cfg.host}:{cfg.port}  (try: curl http://{cfg.host}:{cfg.port}/v1/models)",
-              flush=True)
+        if args.pd:
+            cfg.pd_disaggregation = True
+        if args.kv_events and cfg.tokenizer is None:
+            cfg.tokenizer = "byte"  # the simulator's tokenizer: precise routing needs the engine's ids
+        for spec in specs:
+            print(f"kvgate up: {spec.role:8s} {spec.url}" + (f" bootstrap {spec.bootstrap_port}" if spec.bootstrap_port else ""),
+                  flush=True)
+        print(f"kvgate up: gateway on http://{cfg.host}:{cfg.port} policy={cfg.policy} "
+              f"(try: curl http://{cfg.host}:{cfg.port}/v1/models)", flush=True)
         return serve(cfg)
     finally:
         cluster.stop()
@@ -188,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_up.add_argument("--profile", help="simulator timing profile")
     p_up.add_argument("--time-scale", type=float, help="simulator time compression factor")
     p_up.add_argument("--engine-arg", action="append", help="extra argument for each simulated worker (repeatable)")
+    p_up.add_argument("--pd", action="store_true", help="prefill/decode disaggregation over Mooncake")
+    p_up.add_argument("--prefill-workers", type=int, default=2)
+    p_up.add_argument("--decode-workers", type=int, default=2)
+    p_up.add_argument("--kv-events", action="store_true", help="workers publish KV events (for --policy kv_events)")
     p_up.set_defaults(func=cmd_up)
     sub.add_parser("sim", help="start simulated SGLang workers (see 'kvgate sim --help')", add_help=False)
     p_pol = sub.add_parser("policies", help="list routing policies")
