@@ -60,7 +60,7 @@ class BlockIndex:
         self._spec: dict[int, int] = {}
         self._spec_until: dict[tuple[int, int], float] = {}
         self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
-        self._hashes: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._hashes: OrderedDict[tuple, tuple[list[int], list[int]]] = OrderedDict()
         self._hash_cache = hash_cache
         self.orphans = 0
         self.events_applied = 0
@@ -188,14 +188,15 @@ class BlockIndex:
     def hashes_for(self, request: RequestView, page_size: int) -> list[int]:
         """Page hashes of the request, cached briefly: select and record both need them."""
         tokens = request.token_ids or []
-        key = (request.request_id, page_size, request.cache_salt, len(tokens))
+        key = (request.request_id, page_size, request.cache_salt)
         got = self._hashes.get(key)
-        if got is None:
-            got = page_hashes(tokens, page_size, request.cache_salt)
+        # The cache holds the token list itself, so identity cannot be a recycled id().
+        if got is None or got[0] is not tokens:
+            got = (tokens, page_hashes(tokens, page_size, request.cache_salt))
             self._hashes[key] = got
             if len(self._hashes) > self._hash_cache:
                 self._hashes.popitem(last=False)
-        return got
+        return got[1]
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         result = IndexMatch(len(request.token_ids or ()), "tokens")

@@ -6,10 +6,10 @@ needs no engine cooperation and works on plain text.
 
 Why one global budget instead of sglang-router's per-tenant ``max_tree_size``: the router's
 memory grows with the number of workers and its periodic eviction lets the tree overshoot
-between passes. Here every (node, tenant) pair sits in one LRU list, ordered so that a
-pair always comes before its parent's pair for the same tenant; the front of the list is
-therefore always a tenant's leaf, and eviction pops it in O(1) the moment an insert pushes
-the total over the budget. The budget counts *tenant-units* (a node's length once per
+between passes. Here every (node, tenant) pair sits in one LRU list; an insert touches its
+path leaf first, so a pair comes before its parent's pair for the same tenant and the front
+of the list is (almost always, see ``_pop_leaf``) a tenant's leaf. Eviction pops it in O(1)
+the moment an insert pushes the total over the budget. The budget counts *tenant-units* (a node's length once per
 tenant holding it), which is what the mirrored caches hold in sum.
 
 Keys are ``str``: text as is, token ids mapped one code point per id, so one compressed
@@ -166,7 +166,7 @@ class RadixIndex:
                 child.parent = mid
                 mid.children[child.key[0]] = child
                 self.nodes += 1
-                for tenant in mid.tenants:  # after the child's pairs: parents stay behind
+                for tenant in mid.tenants:  # behind the child's pairs (see _pop_leaf)
                     lru[(mid, tenant)] = None
                 child = mid
                 pos += m
@@ -203,15 +203,34 @@ class RadixIndex:
             node.parent = None
             self.nodes -= 1
 
-    def _evict_to(self, target: int) -> None:
+    def _pop_leaf(self) -> tuple[_Node, str]:
+        """The least recently used pair that is a leaf for its tenant. Splitting an edge
+        appends the new upper node's pairs behind its parent's, so the front can rarely be
+        an inner pair; it is sent to the back (it was just split, so it is recent anyway)."""
         lru = self._lru
-        while self.units > target and lru:
-            node, url = lru.popitem(last=False)[0]
-            self._evict_pair(node, url)
+        for _ in range(len(lru)):
+            pair = next(iter(lru))
+            node, url = pair
+            if any(url in c.tenants for c in node.children.values()):
+                lru.move_to_end(pair)
+                continue
+            del lru[pair]
+            return pair
+        raise RuntimeError("radix index LRU holds no leaf")  # impossible for a tree
+
+    def _evict_to(self, target: int) -> None:
+        while self.units > target and self._lru:
+            self._evict_pair(*self._pop_leaf())
 
     def remove_worker(self, url: str) -> None:
-        # Rare (a worker leaves), so a scan is fine; list order keeps children before parents.
-        for pair in [p for p in self._lru if p[1] == url]:
+        # Rare (a worker leaves), so a scan is fine; deepest first keeps the tree consistent.
+        def depth(node: _Node) -> int:
+            d = 0
+            while node.parent is not None:
+                node, d = node.parent, d + 1
+            return d
+
+        for pair in sorted((p for p in self._lru if p[1] == url), key=lambda p: -depth(p[0])):
             del self._lru[pair]
             self._evict_pair(*pair)
 
@@ -219,13 +238,11 @@ class RadixIndex:
         if self.max_age_s <= 0:
             return
         cutoff = (time.monotonic() if now is None else now) - self.max_age_s
-        lru = self._lru
-        while lru:
-            node, url = next(iter(lru))
+        while self._lru:
+            node, url = next(iter(self._lru))
             if node.tenants[url] >= cutoff:
                 break
-            del lru[(node, url)]
-            self._evict_pair(node, url)
+            self._evict_pair(*self._pop_leaf())
 
     def stats(self) -> Mapping[str, float]:
         return {
