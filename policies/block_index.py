@@ -1,11 +1,15 @@
 """Precise prefix index: the blocks each worker reported through SGLang KV events.
 
-Every worker gets a slot; a block hash maps to one int whose bit ``3*slot + tier`` says the
-worker holds that block in that tier (0 GPU, 1 host, 2 pool). A request's page-hash chain
-(``wire.hashing.page_hashes`` with the worker's ``page_size`` and the request's
-``cache_salt``) is walked until no candidate holds the next page; three running bitmasks
-(GPU only, GPU or host, any tier) say at which page each worker drops out of each tier.
-One dict lookup and a few int operations per page, however many workers there are.
+Every worker gets a slot; a block hash maps to one int with three bits per slot, set when
+the worker holds the block on GPU (bit ``3*slot``), on GPU or host (``3*slot+1``), in any
+tier including the shared pool (``3*slot+2``). A request's page-hash chain
+(``wire.hashing.page_hashes`` with the worker's ``page_size`` and ``cache_salt``) is looked
+up with ``map(dict.get)`` and AND-accumulated (``itertools.accumulate``), both in C: bit
+``3*slot+t`` of the running AND is set exactly while every page so far is in tier <= t on
+that worker. The few positions where the running AND changes (found by bisection) give
+every worker's prefix length per tier. The cost is a C-speed pass over the pages plus a
+little Python per worker that actually holds the prefix, independent of fleet size.
+Each worker's own raw tier bits per block live in its slot's dict (used for updates).
 
 Parent links are kept for each stored block so a worker's chains can be read back
 (``chain``) and blocks whose parent the worker never reported are counted (``orphans``:
@@ -21,23 +25,27 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from itertools import accumulate, repeat
+from operator import and_
 
 from policies.base import RequestView, WorkerView
 from policies.prefix_index import IndexMatch, Tiers, Unit
-from wire.hashing import page_hashes
+from policies.page_hash_cache import PageHashCache
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
+# Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
+_CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
 
 
 def medium_tier(medium: str | None) -> int:
     return TIER_OF_MEDIUM.get(medium.upper(), 0) if medium else 0
 
 
-def _bits(mask: int):
+def _bit_indexes(mask: int):
     while mask:
         low = mask & -mask
-        yield (low.bit_length() - 1) // 3
+        yield low.bit_length() - 1
         mask ^= low
 
 
@@ -54,7 +62,7 @@ class BlockIndex:
         self.parent: dict[int, int | None] = {}
         self._slots: dict[str, int] = {}
         self._urls: list[str | None] = []
-        self._owned: list[set[int]] = []
+        self._owned: list[dict[int, int]] = []  # per slot: block hash -> raw tier bits
         self._free: list[int] = []
         self._page_size: dict[str, int] = {}
         self._spec: dict[int, int] = {}
@@ -62,6 +70,9 @@ class BlockIndex:
         self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
         self._hashes: OrderedDict[tuple, tuple[list[int], list[int]]] = OrderedDict()
         self._hash_cache = hash_cache
+        self.chains = PageHashCache()
+        self._version = 0  # bumps when slots or page sizes change
+        self._groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int]]]] = {}
         self.orphans = 0
         self.events_applied = 0
         self.clears = 0
@@ -76,18 +87,21 @@ class BlockIndex:
             else:
                 s = len(self._urls)
                 self._urls.append(url)
-                self._owned.append(set())
+                self._owned.append({})
             self._slots[url] = s
+            self._version += 1
         return s
 
     def set_page_size(self, url: str, page_size: int) -> None:
         self._page_size[url] = int(page_size)
+        self._version += 1
 
     def page_size_of(self, worker: WorkerView) -> int:
         ps = self._page_size.get(worker.url)
         if ps is None:
             ps = int(worker.server_info.get("page_size") or self.default_page_size)
             self._page_size[worker.url] = ps
+            self._version += 1
         return ps
 
     def remove_worker(self, url: str) -> None:
@@ -97,6 +111,7 @@ class BlockIndex:
             self._urls[s] = None
             self._free.append(s)
         self._page_size.pop(url, None)
+        self._version += 1
 
     def clear_worker(self, url: str) -> None:
         """Forget every block of ``url``: after AllBlocksCleared, a reconnect or a lost gap."""
@@ -113,8 +128,8 @@ class BlockIndex:
             else:
                 blocks.pop(h, None)
                 parent.pop(h, None)
-        self._owned[s] = set()
-        bit = 1 << (3 * s)
+        self._owned[s] = {}
+        bit = 7 << (3 * s)
         for _, slot, hashes in self._spec_queue:
             if slot == s:
                 for h in hashes:
@@ -141,36 +156,40 @@ class BlockIndex:
 
     def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0) -> None:
         s = self.slot(url)
-        bit = 1 << (3 * s + tier)
-        slot_mask = 7 << (3 * s)
+        shift = 3 * s
+        keep = ~(7 << shift)
         blocks, parents, owned = self.blocks, self.parent, self._owned[s]
-        if parent is not None and not (blocks.get(parent, 0) & slot_mask):
+        if parent is not None and parent not in owned:
             self.orphans += 1
         for h in hashes:
-            blocks[h] = blocks.get(h, 0) | bit
+            raw = owned.get(h, 0) | (1 << tier)
+            owned[h] = raw
+            blocks[h] = (blocks.get(h, 0) & keep) | (_CUMULATIVE[raw] << shift)
             parents[h] = parent
-            owned.add(h)
             parent = h
 
     def remove(self, url: str, hashes: Sequence[int], tier: int = 0) -> None:
         s = self._slots.get(url)
         if s is None:
             return
-        clear = ~(1 << (3 * s + tier))
-        slot_mask = 7 << (3 * s)
+        shift = 3 * s
+        keep = ~(7 << shift)
         blocks, owned = self.blocks, self._owned[s]
         for h in hashes:
-            m = blocks.get(h)
-            if m is None:
+            raw = owned.get(h)
+            if raw is None:
                 continue
-            m &= clear
+            raw &= ~(1 << tier)
+            m = (blocks.get(h, 0) & keep) | (_CUMULATIVE[raw] << shift)
+            if raw:
+                owned[h] = raw
+            else:
+                del owned[h]
             if m:
                 blocks[h] = m
             else:
-                del blocks[h]
+                blocks.pop(h, None)
                 self.parent.pop(h, None)
-            if not m & slot_mask:
-                owned.discard(h)
 
     def chain(self, h: int, limit: int = 1 << 20) -> list[int]:
         """The stored chain ending at ``h``, root first."""
@@ -192,11 +211,28 @@ class BlockIndex:
         got = self._hashes.get(key)
         # The cache holds the token list itself, so identity cannot be a recycled id().
         if got is None or got[0] is not tokens:
-            got = (tokens, page_hashes(tokens, page_size, request.cache_salt))
+            got = (tokens, self.chains.hashes(tokens, page_size, request.cache_salt))
             self._hashes[key] = got
             if len(self._hashes) > self._hash_cache:
                 self._hashes.popitem(last=False)
         return got[1]
+
+    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int]]:
+        """(page size, mask of the candidates' bits) groups, cached per worker set."""
+        key = tuple(w.url for w in workers)
+        got = self._groups.get(key)
+        if got is not None and got[0] == self._version:
+            return got[1]
+        groups: dict[int, int] = {}
+        for w in workers:
+            s = self._slots.get(w.url)
+            if s is not None:
+                ps = self.page_size_of(w)
+                groups[ps] = groups.get(ps, 0) | (7 << (3 * s))
+        if len(self._groups) > 256:
+            self._groups.clear()
+        self._groups[key] = (self._version, list(groups.items()))
+        return self._groups[key][1]
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         result = IndexMatch(len(request.token_ids or ()), "tokens")
@@ -204,56 +240,39 @@ class BlockIndex:
             return result
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire()
-        groups: dict[int, int] = {}
-        for w in workers:
-            s = self._slots.get(w.url)
-            if s is not None:
-                ps = self.page_size_of(w)
-                groups[ps] = groups.get(ps, 0) | (1 << (3 * s))
-        for ps, wanted in groups.items():
+        for ps, wanted in self._candidates(workers):
             self._walk(self.hashes_for(request, ps), wanted, ps, result.hits)
         return result
 
     def _walk(self, chain: list[int], wanted: int, ps: int, hits: dict[str, Tiers]) -> None:
         blocks, spec = self.blocks, self._spec
-        g = h = a = wanted
-        gl: dict[int, int] = {}
-        hl: dict[int, int] = {}
-        al: dict[int, int] = {}
-        depth = 0
-        for depth, hsh in enumerate(chain):  # noqa: B007 (depth is used after the loop)
-            m = blocks.get(hsh, 0) | spec.get(hsh, 0)
-            m1 = m >> 1
-            ng = g & m
-            nh = h & (m | m1)
-            na = a & (m | m1 | (m1 >> 1))
-            if ng != g:
-                for s in _bits(g ^ ng):
-                    gl[s] = depth
-                g = ng
-            if nh != h:
-                for s in _bits(h ^ nh):
-                    hl[s] = depth
-                h = nh
-            if na != a:
-                for s in _bits(a ^ na):
-                    al[s] = depth
-                a = na
-                if not a:
-                    break
+        if spec:
+            masks = [b | s for b, s in zip(map(blocks.get, chain, repeat(0)), map(spec.get, chain, repeat(0)))]
         else:
-            depth = len(chain)
-            for s in _bits(g):
-                gl[s] = depth
-            for s in _bits(h):
-                hl[s] = depth
-            for s in _bits(a):
-                al[s] = depth
+            masks = list(map(blocks.get, chain, repeat(0)))
+        if not masks or not masks[0] & wanted:
+            return
+        masks[0] &= wanted
+        acc = list(accumulate(masks, and_))
+        n = acc.index(0) if 0 in acc else len(acc)
+        pages: dict[int, int] = dict.fromkeys(_bit_indexes(acc[n - 1]), n)
+        stack = [(0, n - 1)]
+        while stack:  # bisect for the few positions where the running AND loses bits
+            lo, hi = stack.pop()
+            if acc[lo] == acc[hi]:
+                continue
+            if hi - lo == 1:
+                for b in _bit_indexes(acc[lo] & ~acc[hi]):
+                    pages[b] = hi
+                continue
+            mid = (lo + hi) // 2
+            stack.append((lo, mid))
+            stack.append((mid, hi))
         urls = self._urls
-        for s, pages in al.items():
-            if pages:
-                gp, hp = gl[s], hl[s]
-                hits[urls[s]] = Tiers(gp * ps, (hp - gp) * ps, (pages - hp) * ps)
+        for b in _bit_indexes(acc[0]):
+            if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
+                g, h, a = pages.get(b - 2, 0), pages.get(b - 1, 0), pages[b]
+                hits[urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         if request.token_ids is None or self.speculative_ttl_s <= 0:
@@ -263,7 +282,7 @@ class BlockIndex:
         if not hashes:
             return
         until = time.monotonic() + self.speculative_ttl_s
-        bit = 1 << (3 * s)
+        bit = 7 << (3 * s)
         spec, spec_until = self._spec, self._spec_until
         for h in hashes:
             spec[h] = spec.get(h, 0) | bit
@@ -275,7 +294,7 @@ class BlockIndex:
         q, spec, spec_until = self._spec_queue, self._spec, self._spec_until
         while q and q[0][0] <= now:
             until, s, hashes = q.popleft()
-            clear = ~(1 << (3 * s))
+            clear = ~(7 << (3 * s))
             for h in hashes:
                 if spec_until.get((s, h)) == until:  # not refreshed by a later request
                     del spec_until[(s, h)]

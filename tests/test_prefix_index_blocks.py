@@ -112,3 +112,29 @@ def test_orphans_are_counted_and_page_sizes_differ_per_worker():
     index.apply(URLS[2], BlockStored(page_hashes(tokens, 2)[:3], None, tokens[:6], 2))
     hits = index.match(req(tokens + [99]), [WORKERS[2], w4]).hits
     assert hits[URLS[3]].gpu == 16 and hits[URLS[2]].gpu == 6
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=90), min_size=1, max_size=6),
+       st.sampled_from([1, 2, 4]), st.sampled_from([None, "salt"]))
+def test_page_hash_cache_equals_wire_hashing(prompts, page_size, salt):
+    from policies.page_hash_cache import PageHashCache
+
+    cache = PageHashCache(every=2, max_checkpoints=8)
+    grown = []
+    for p in prompts:  # conversations grow: each prompt extends the previous one
+        grown = grown + p
+        for tokens in (grown, p):
+            assert cache.hashes(tokens, page_size, salt) == page_hashes(tokens, page_size, salt)
+
+
+def test_page_hash_cache_reuses_the_previous_turn():
+    from policies.page_hash_cache import PageHashCache
+
+    cache = PageHashCache(every=4)
+    turn1 = list(range(400))
+    cache.hashes(turn1, 2)
+    hashed = cache.pages_hashed
+    turn2 = turn1 + [7] * 50
+    assert cache.hashes(turn2, 2) == page_hashes(turn2, 2)
+    assert cache.pages_hashed - hashed <= 25 + 4 and cache.pages_reused >= 196
