@@ -66,11 +66,12 @@ class BlockIndex:
         self._free: list[int] = []
         self._page_size: dict[str, int] = {}
         self._spec: dict[int, int] = {}
-        self._spec_until: dict[tuple[int, int], float] = {}
+        self._spec_until: dict[int, dict[int, float]] = {}  # slot -> page hash -> expiry
         self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
         self._hashes: OrderedDict[tuple, tuple[list[int], list[int]]] = OrderedDict()
         self._hash_cache = hash_cache
         self.chains = PageHashCache()
+        self._last_match: tuple[str, dict[str, Tiers]] | None = None
         self._version = 0  # bumps when slots or page sizes change
         self._groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int]]]] = {}
         self.orphans = 0
@@ -129,16 +130,13 @@ class BlockIndex:
                 blocks.pop(h, None)
                 parent.pop(h, None)
         self._owned[s] = {}
-        bit = 7 << (3 * s)
-        for _, slot, hashes in self._spec_queue:
-            if slot == s:
-                for h in hashes:
-                    self._spec_until.pop((s, h), None)
-                    m = self._spec.get(h, 0) & ~bit
-                    if m:
-                        self._spec[h] = m
-                    else:
-                        self._spec.pop(h, None)
+        keep = ~(7 << (3 * s))
+        for h in self._spec_until.pop(s, {}):
+            m = self._spec.get(h, 0) & keep
+            if m:
+                self._spec[h] = m
+            else:
+                self._spec.pop(h, None)
 
     def worker_size(self, url: str) -> int:
         s = self._slots.get(url)
@@ -239,22 +237,28 @@ class BlockIndex:
         if request.token_ids is None:
             return result
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
-            self.expire()
+            self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
         for ps, wanted in self._candidates(workers):
             self._walk(self.hashes_for(request, ps), wanted, ps, result.hits)
+        self._last_match = (request.request_id, result.hits)
         return result
 
-    def _walk(self, chain: list[int], wanted: int, ps: int, hits: dict[str, Tiers]) -> None:
-        blocks, spec = self.blocks, self._spec
-        if spec:
-            masks = [b | s for b, s in zip(map(blocks.get, chain, repeat(0)), map(spec.get, chain, repeat(0)))]
-        else:
-            masks = list(map(blocks.get, chain, repeat(0)))
+    @staticmethod
+    def _prefix_pages(masks: list[int], wanted: int) -> dict[int, int]:
+        """Bit index -> number of leading pages whose mask has that bit (bits of ``wanted``)."""
         if not masks or not masks[0] & wanted:
-            return
+            return {}
         masks[0] &= wanted
         acc = list(accumulate(masks, and_))
-        n = acc.index(0) if 0 in acc else len(acc)
+        n = len(acc)
+        if not acc[-1]:  # bit sets only shrink, so the values fall: bisect for the first 0
+            lo, n = 0, n - 1
+            while lo < n:
+                mid = (lo + n) // 2
+                if acc[mid]:
+                    lo = mid + 1
+                else:
+                    n = mid
         pages: dict[int, int] = dict.fromkeys(_bit_indexes(acc[n - 1]), n)
         stack = [(0, n - 1)]
         while stack:  # bisect for the few positions where the running AND loses bits
@@ -268,36 +272,54 @@ class BlockIndex:
             mid = (lo + hi) // 2
             stack.append((lo, mid))
             stack.append((mid, hi))
+        return pages
+
+    def _walk(self, chain: list[int], wanted: int, ps: int, hits: dict[str, Tiers]) -> None:
+        pages = self._prefix_pages(list(map(self.blocks.get, chain, repeat(0))), wanted)
+        if self._spec:
+            # Engine caches are prefix-closed and speculative entries are whole prompts from
+            # page 0, so the union's prefix is the longer of the two (spec counts as GPU).
+            spec = self._prefix_pages(list(map(self._spec.get, chain, repeat(0))), wanted)
+            for b, n in spec.items():
+                if n > pages.get(b, 0):
+                    pages[b] = n
         urls = self._urls
-        for b in _bit_indexes(acc[0]):
+        for b, a in pages.items():
             if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
-                g, h, a = pages.get(b - 2, 0), pages.get(b - 1, 0), pages[b]
+                g, h = pages.get(b - 2, 0), pages.get(b - 1, 0)
                 hits[urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         if request.token_ids is None or self.speculative_ttl_s <= 0:
             return
         s = self.slot(worker.url)
-        hashes = self.hashes_for(request, self.page_size_of(worker))
+        ps = self.page_size_of(worker)
+        hashes = self.hashes_for(request, ps)
+        last = self._last_match
+        if last is not None and last[0] == request.request_id and worker.url in last[1]:
+            # Pages the worker already holds on GPU (reported, or speculative) need no entry.
+            hashes = hashes[last[1][worker.url].gpu // ps:]
         if not hashes:
             return
         until = time.monotonic() + self.speculative_ttl_s
-        bit = 7 << (3 * s)
-        spec, spec_until = self._spec, self._spec_until
+        bits = 7 << (3 * s)
+        spec = self._spec
         for h in hashes:
-            spec[h] = spec.get(h, 0) | bit
-            spec_until[(s, h)] = until
+            spec[h] = spec.get(h, 0) | bits
+        self._spec_until.setdefault(s, {}).update(zip(hashes, repeat(until)))
         self._spec_queue.append((until, s, hashes))
 
-    def expire(self, now: float | None = None) -> None:
+    def expire(self, now: float | None = None, limit: int | None = None) -> None:
         now = time.monotonic() if now is None else now
-        q, spec, spec_until = self._spec_queue, self._spec, self._spec_until
-        while q and q[0][0] <= now:
+        q, spec = self._spec_queue, self._spec
+        while q and q[0][0] <= now and limit != 0:
+            limit = None if limit is None else limit - 1
             until, s, hashes = q.popleft()
             clear = ~(7 << (3 * s))
+            spec_until = self._spec_until.get(s, {})
             for h in hashes:
-                if spec_until.get((s, h)) == until:  # not refreshed by a later request
-                    del spec_until[(s, h)]
+                if spec_until.get(h) == until:  # not refreshed by a later request
+                    del spec_until[h]
                     m = spec.get(h, 0) & clear
                     if m:
                         spec[h] = m

@@ -34,13 +34,12 @@ from policies.prefix_index import IndexMatch, PrefixIndex
 from policies.radix_index import RadixIndex
 
 
-def in_flight(worker: WorkerView) -> int:
-    return worker.in_flight
+def in_flight(workers: Sequence[WorkerView]) -> list[int]:
+    return [w.in_flight for w in workers]
 
 
-def engine_queue(worker: WorkerView) -> int:
-    load = worker.load
-    return max(worker.in_flight, load.running + load.waiting) if load else worker.in_flight
+def engine_queue(workers: Sequence[WorkerView]) -> list[int]:
+    return [max(w.in_flight, w.load.running + w.load.waiting) if w.load else w.in_flight for w in workers]
 
 
 LOADS = {"in_flight": in_flight, "engine": engine_queue}
@@ -79,33 +78,35 @@ class CacheAware(Policy):
         self.host_credit = float(host_credit)
         self.pool_credit = float(pool_credit)
         self.eviction_interval_s = float(eviction_interval_s)
-        self._load = LOADS[load]
+        self._loads = LOADS[load]
         self.index: PrefixIndex = index if index is not None else make_radix(options)
         self.verifier = make_verifier(self.name, options)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
 
     # -- decision -----------------------------------------------------------------------
-    def _least_loaded(self, workers: Sequence[WorkerView], loads: list[int]) -> WorkerView:
-        size = self.index.worker_size
-        return min(zip(loads, workers), key=lambda lw: (lw[0], size(lw[1].url)))[1]
+    def _least_loaded(self, workers: Sequence[WorkerView], loads: list[int], lo: int) -> WorkerView:
+        tied = [w for w, load in zip(workers, loads) if load == lo]
+        if len(tied) == 1:
+            return tied[0]
+        return min(tied, key=lambda w: self.index.worker_size(w.url))
 
     def decide(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> tuple[WorkerView, str]:
-        loads = [self._load(w) for w in workers]
+        loads = self._loads(workers)
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
-            return self._least_loaded(workers, loads), "imbalanced"
+            return self._least_loaded(workers, loads, lo), "imbalanced"
         if self.verifier.degraded:
-            return self._least_loaded(workers, loads), "degraded"
+            return self._least_loaded(workers, loads, lo), "degraded"
         hc, pc = self.host_credit, self.pool_credit
         scores = {url: t.gpu + hc * t.host + pc * t.pool for url, t in match.hits.items()}
         best = max(scores.values(), default=0.0)
         if match.query_len and best / match.query_len > self.cache_threshold:
             floor = best * self.tie_ratio
-            sharers = [(load, -scores[w.url], w) for load, w in zip(loads, workers)
-                       if scores.get(w.url, 0.0) >= floor]
-            return min(sharers, key=lambda s: (s[0], s[1]))[2], "prefix"
-        return self._least_loaded(workers, loads), "miss"
+            sharers = {url for url, score in scores.items() if score >= floor}
+            found = [(load, -scores[w.url], i) for i, (w, load) in enumerate(zip(workers, loads)) if w.url in sharers]
+            return workers[min(found)[2]], "prefix"
+        return self._least_loaded(workers, loads, lo), "miss"
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
 from policies.kv_feed import KvEventFeed
-from policies.prefix_index import NO_HIT, IndexMatch, PrefixIndex
+from policies.prefix_index import IndexMatch, PrefixIndex
 
 
 class Cost(Policy):
@@ -70,23 +70,31 @@ class Cost(Policy):
                 match: IndexMatch) -> list[tuple[float, float, float]]:
         """(ttft seconds, uncached tokens, cached tokens) per worker, in ``workers`` order."""
         prompt = float(request.prompt_tokens_estimate)
-        scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
-        ignore_hits = self.verifier.degraded
+        inv_prefill, decode_cost, avg = 1.0 / self.prefill_tps, self.decode_cost_s, self._avg_uncached
+        queued_of, decoding_of = self._queued, self._decoding
+        full = prompt * inv_prefill
         out = []
-        for w in workers:
-            t = NO_HIT if ignore_hits else match.get(w.url)
-            gpu, host, pool = t.gpu * scale, t.host * scale, t.pool * scale
-            cached = min(gpu + host + pool, prompt)
-            uncached = prompt - cached
-            queued = self._queued.get(w.url, 0.0)
-            running = self._decoding.get(w.url, 0)
+        for w in workers:  # every worker: no hit, just its backlog
+            queued = queued_of.get(w.url, 0.0)
+            running = decoding_of.get(w.url, 0)
             load = w.load
             if load is not None:  # traffic this gateway did not route still occupies the engine
-                queued = max(queued, load.waiting * self._avg_uncached)
+                queued = max(queued, load.waiting * avg)
                 running = max(running, load.running)
-            ttft = ((queued + uncached) / self.prefill_tps + host / self.host_tps + pool / self.pool_tps
-                    + running * self.decode_cost_s)
-            out.append((ttft, uncached, cached))
+            out.append((queued * inv_prefill + running * decode_cost + full, prompt, 0.0))
+        if match.hits and not self.verifier.degraded:  # then credit the few that hold the prefix
+            scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
+            position = {w.url: i for i, w in enumerate(workers)}
+            for url, t in match.hits.items():
+                i = position.get(url)
+                if i is None:
+                    continue
+                gpu, host, pool = t.gpu * scale, t.host * scale, t.pool * scale
+                cached = min(gpu + host + pool, prompt)
+                uncached = prompt - cached
+                ttft = (out[i][0] - full + uncached * inv_prefill
+                        + host / self.host_tps + pool / self.pool_tps)
+                out[i] = (ttft, uncached, cached)
         return out
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
@@ -100,7 +108,7 @@ class Cost(Policy):
             weights = [math.exp(-(c[0] - best) / self.temperature) for c in costs]
             i = self._rng.choices(range(len(workers)), weights)[0]
         else:
-            i = min(range(len(workers)), key=lambda j: costs[j][0])
+            i = min(range(len(workers)), key=lambda j: costs[j][0])  # first of equals
         chosen = workers[i]
         ttft, uncached, cached = costs[i]
         self.index.record(request, chosen)

@@ -217,19 +217,17 @@ class RadixIndex:
             self.nodes -= 1
 
     def _pop_leaf(self) -> tuple[_Node, str]:
-        """The least recently used pair that is a leaf for its tenant. Splitting an edge
-        appends the new upper node's pairs behind its parent's, so the front can rarely be
-        an inner pair; it is sent to the back (it was just split, so it is recent anyway)."""
-        lru = self._lru
-        for _ in range(len(lru)):
-            pair = next(iter(lru))
-            node, url = pair
-            if any(url in c.tenants for c in node.children.values()):
-                lru.move_to_end(pair)
-                continue
-            del lru[pair]
-            return pair
-        raise RuntimeError("radix index LRU holds no leaf")  # impossible for a tree
+        """The least recently used pair, or a leaf under it for the same tenant. Splitting
+        an edge appends the new upper node's pairs at the back, so the front can be an inner
+        pair whose subtree is just as old; its deepest pair for that tenant goes first."""
+        node, url = next(iter(self._lru))
+        while True:
+            child = next((c for c in node.children.values() if url in c.tenants), None)
+            if child is None:
+                break
+            node = child
+        del self._lru[(node, url)]
+        return node, url
 
     def _evict_to(self, target: int) -> None:
         while self.units > target and self._lru:
