@@ -17,6 +17,9 @@ BUILTIN = {
     "least_load": "policies.least_load:LeastLoad",
     "power_of_two": "policies.power_of_two:PowerOfTwo",
     "consistent_hash": "policies.consistent_hash:ConsistentHash",
+    "cache_aware": "policies.cache_aware:CacheAware",
+    "kv_events": "policies.kv_events:KvEvents",
+    "cost": "policies.cost:Cost",
 }
 
 

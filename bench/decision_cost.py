@@ -1,0 +1,193 @@
+"""Per-decision cost of the cache-aware policies at fleet scale.
+
+Builds a fleet of ``--workers`` workers whose caches hold ``--blocks`` distinct KV blocks
+(multi-turn conversations of random tokens, each conversation cached on 1-3 workers in
+mixed tiers), then times ``Policy.select`` on follow-up turns: the precise index (KV
+events), the approximate radix tree on the same keys, and the cost policy on each. The
+page-hash chain of a prompt is computed once per request (as the gateway does): it is
+reported both included ("select") and excluded ("index walk"), since hashing grows with
+prompt length and not with fleet size.
+
+    PYTHONPATH=$PWD python bench/decision_cost.py [--workers 64 --blocks 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from policies.base import RequestView, WorkerView  # noqa: E402
+from policies.block_index import BlockIndex  # noqa: E402
+from policies.cache_aware import CacheAware  # noqa: E402
+from policies.cost import Cost  # noqa: E402
+from policies.kv_events import KvEvents  # noqa: E402
+from policies.radix_index import RadixIndex  # noqa: E402
+from wire.hashing import page_hashes  # noqa: E402
+
+MEDIUMS = ["GPU", "GPU", "GPU", "CPU_PINNED", "EXTERNAL"]
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def conversation(seed: int, pages: int, page_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32_000) for _ in range(pages * page_size)]
+
+
+def timed(fn, requests, workers) -> list[float]:
+    out = []
+    clock = time.perf_counter_ns
+    for r in requests:
+        t0 = clock()
+        fn(r, workers)
+        out.append((clock() - t0) / 1000)
+    return out
+
+
+def row(name: str, us: list[float]) -> str:
+    us = sorted(us)
+    p99 = us[min(len(us) - 1, int(len(us) * 0.99))]
+    return f"| {name} | {len(us)} | {statistics.median(us):.1f} | {p99:.1f} | {statistics.mean(us):.1f} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--conv-pages", type=int, default=250, help="pages per conversation (turns split it)")
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    ps = args.page_size
+    rng = random.Random(args.seed)
+    n_conv = max(1, args.blocks // args.conv_pages)
+    workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
+                          server_info={"page_size": ps}) for i in range(args.workers)]
+    owners = {c: rng.sample(range(args.workers), rng.choice((1, 1, 2, 3))) for c in range(n_conv)}
+
+    # -- precise index: 1M distinct blocks ---------------------------------------------
+    gc.collect()
+    base = rss_mib()
+    t0 = time.perf_counter()
+    precise = BlockIndex(speculative_ttl_s=3.0)
+    for w in workers:
+        precise.set_page_size(w.url, ps)
+    for c in range(n_conv):
+        hashes = page_hashes(conversation(c, args.conv_pages, ps), ps)
+        for o in owners[c]:
+            precise.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)))
+    build_precise = time.perf_counter() - t0
+    gc.collect()
+    mem_precise = rss_mib() - base
+
+    # -- approximate radix on the same conversations (token keys), turn by turn --------
+    base = rss_mib()
+    t0 = time.perf_counter()
+    radix = RadixIndex(max_units=1 << 62, key="tokens")
+    cut = args.conv_pages * ps // args.turns
+    for c in range(n_conv):
+        tokens = conversation(c, args.conv_pages, ps)
+        for o in owners[c]:
+            for t in range(1, args.turns + 1):
+                radix.record(RequestView(f"b{c}", "/generate", token_ids=tokens[: t * cut]), workers[o])
+    build_radix = time.perf_counter() - t0
+    gc.collect()
+    mem_radix = rss_mib() - base
+
+    # -- requests: the next turn of a random conversation ------------------------------
+    def turns(tag: str) -> list[tuple[RequestView, RequestView]]:
+        """(previous turn, next turn) pairs: the next turn is the previous prompt plus an
+        answer and a new question (200 new tokens), as in a chat conversation."""
+        out = []
+        r = random.Random(args.seed + 99)
+        for i in range(args.decisions):
+            c = r.randrange(n_conv)
+            prev = conversation(c, args.conv_pages, ps)[: r.randrange(1, args.turns + 1) * cut]
+            nxt = prev + [r.randrange(32_000) for _ in range(200)]
+            out.append((RequestView(f"{tag}{i}p", "/generate", token_ids=prev),
+                        RequestView(f"{tag}{i}", "/generate", token_ids=nxt)))
+        return out
+
+    def timed_turns(fn, tag: str, *, warm: bool = True) -> list[float]:
+        """Time ``fn`` on next turns; with ``warm`` the previous turn was routed first
+        (untimed), so its page-hash checkpoints and speculative entries exist."""
+        out = []
+        clock = time.perf_counter_ns
+        for prev, nxt in turns(tag):
+            if warm:
+                fn(prev, workers)
+            t0 = clock()
+            fn(nxt, workers)
+            out.append((clock() - t0) / 1000)
+        return out
+
+    kv = KvEvents(speculative_ttl_s=3.0)
+    kv.index.precise = precise  # the 1M-block index built above
+    kv.feed.index = precise
+    ca = CacheAware(index=radix)
+    cost_precise = Cost(index=precise)
+    cost_approx = Cost(index=radix)
+
+    results = []
+    reqs = [nxt for _, nxt in turns("w")]
+    precise._hash_cache = len(reqs) + 1
+    for r in reqs:  # hashes computed and cached once, as select does before the walk
+        precise.hashes_for(r, ps)
+    results.append(row("precise index walk (BlockIndex.match, page hashes cached)", timed(precise.match, reqs, workers)))
+    results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
+    precise._hash_cache = 64
+    results.append(row("kv_events select, next turn (page hashing resumed from previous turn)",
+                       timed_turns(kv.select, "k")))
+    results.append(row("cost select, precise index, next turn", timed_turns(cost_precise.select, "c")))
+    results.append(row("kv_events select, first sight of a prompt (full page hashing)",
+                       timed_turns(kv.select, "f", warm=False)))
+    results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))
+    results.append(row("cost select, approx index (match + insert)", timed_turns(cost_approx.select, "d")))
+    hash_reqs = [nxt for _, nxt in turns("h")]
+    hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
+    results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
+    avg_tokens = statistics.mean(len(r.token_ids) for r in hash_reqs)
+
+    print(f"# Routing decision cost ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC})")
+    print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
+    print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
+    print(f"fleet: {args.workers} workers, {len(precise.blocks):,} distinct blocks (page {ps}), "
+          f"{n_conv} conversations x {args.turns} turns, prompts avg {avg_tokens:.0f} tokens")
+    print(f"precise index: {mem_precise:.0f} MiB RSS, built in {build_precise:.1f} s; "
+          f"radix index: {mem_radix:.0f} MiB RSS, {radix.nodes:,} nodes, {radix.units:,} tenant-tokens, "
+          f"built in {build_radix:.1f} s")
+    print()
+    print("| path | decisions | median us | p99 us | mean us |")
+    print("|---|---|---|---|---|")
+    for line in results:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""``cache_aware``: sglang-router's rule, on a shared prefix index, minus its known pitfalls.
+
+The rule (sglang-router 0.3.2 ``cache_aware``, same defaults): if the fleet is imbalanced
+(``max - min > balance_abs_threshold`` and ``max > min * balance_rel_threshold``, load =
+requests in flight) route to the least loaded worker; otherwise, if the best prefix match
+covers more than ``cache_threshold`` of the request, route to the matching worker; else to
+a worker with room (least loaded, then smallest tree). Every decision is inserted into the
+index for the chosen worker.
+
+What differs, and why:
+
+* the key is the whole prompt the gateway built (the full chat history through the same
+  chat template as the engine), so turn N+1 of a conversation matches turn N's worker;
+* when several workers share the matched prefix (within ``tie_ratio``), the least loaded of
+  them wins instead of whichever the tree reports, so a hot shared prefix fans out over the
+  workers that hold it rather than piling onto one;
+* a miss goes to the least loaded worker (smallest tree breaks ties) instead of the
+  smallest tree regardless of load;
+* one memory budget for the whole index (``max_tree_size``, see ``policies.radix_index``);
+* hit verification (``policies.hit_verification``) turns cache routing off while the
+  engine's reported cache hits contradict the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
+from policies.hit_verification import HitVerifier
+from policies.prefix_index import IndexMatch, PrefixIndex
+from policies.radix_index import RadixIndex
+
+
+def in_flight(workers: Sequence[WorkerView]) -> list[int]:
+    return [w.in_flight for w in workers]
+
+
+def engine_queue(workers: Sequence[WorkerView]) -> list[int]:
+    return [max(w.in_flight, w.load.running + w.load.waiting) if w.load else w.in_flight for w in workers]
+
+
+LOADS = {"in_flight": in_flight, "engine": engine_queue}
+
+
+def make_verifier(name: str, options: Mapping[str, object]) -> HitVerifier:
+    return HitVerifier(
+        window=int(options.get("drift_window", 64)),
+        min_samples=int(options.get("drift_min_samples", 16)),
+        degrade_above=float(options.get("drift_degrade_above", 0.5)),
+        recover_below=float(options.get("drift_recover_below", 0.25)),
+        name=name,
+    )
+
+
+def make_radix(options: Mapping[str, object], key: str | None = None) -> RadixIndex:
+    return RadixIndex(
+        max_units=int(options.get("max_tree_size", 1 << 24)),
+        key=key or str(options.get("key", "auto")),
+        max_age_s=float(options.get("max_age_s", 0.0)),
+    )
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, tie_ratio: float = 0.9, load: str = "in_flight",
+                 host_credit: float = 0.9, pool_credit: float = 0.6, eviction_interval_s: float = 60.0,
+                 index: PrefixIndex | None = None, **options) -> None:
+        super().__init__(**options)
+        self.cache_threshold = float(cache_threshold)
+        self.balance_abs_threshold = float(balance_abs_threshold)
+        self.balance_rel_threshold = float(balance_rel_threshold)
+        self.tie_ratio = float(tie_ratio)
+        self.host_credit = float(host_credit)
+        self.pool_credit = float(pool_credit)
+        self.eviction_interval_s = float(eviction_interval_s)
+        self._loads = LOADS[load]
+        self.index: PrefixIndex = index if index is not None else make_radix(options)
+        self.verifier = make_verifier(self.name, options)
+        self.decisions: Counter[str] = Counter()
+        self._timer: asyncio.Task | None = None
+
+    # -- decision -----------------------------------------------------------------------
+    def _least_loaded(self, workers: Sequence[WorkerView], loads: list[int], lo: int) -> WorkerView:
+        tied = [w for w, load in zip(workers, loads) if load == lo]
+        if len(tied) == 1:
+            return tied[0]
+        return min(tied, key=lambda w: self.index.worker_size(w.url))
+
+    def decide(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> tuple[WorkerView, str]:
+        loads = self._loads(workers)
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            return self._least_loaded(workers, loads, lo), "imbalanced"
+        if self.verifier.degraded:
+            return self._least_loaded(workers, loads, lo), "degraded"
+        hc, pc = self.host_credit, self.pool_credit
+        scores = {url: t.gpu + hc * t.host + pc * t.pool for url, t in match.hits.items()}
+        best = max(scores.values(), default=0.0)
+        if match.query_len and best / match.query_len > self.cache_threshold:
+            floor = best * self.tie_ratio
+            sharers = {url for url, score in scores.items() if score >= floor}
+            found = [(load, -scores[w.url], i) for i, (w, load) in enumerate(zip(workers, loads)) if w.url in sharers]
+            return workers[min(found)[2]], "prefix"
+        return self._least_loaded(workers, loads, lo), "miss"
+
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
+        require_workers(workers)
+        match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
+        chosen, reason = self.decide(request, workers, match)
+        self.decisions[reason] += 1
+        self.index.record(request, chosen)
+        fraction = match.fraction(chosen.url)
+        predicted = round(fraction * request.prompt_tokens_estimate)
+        self.verifier.expect(request.request_id, fraction, predicted)
+        return Choice(chosen, predicted, reason)
+
+    # -- hooks --------------------------------------------------------------------------
+    def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
+        self.verifier.complete(request.request_id, outcome)
+
+    def on_worker_removed(self, worker: WorkerView) -> None:
+        self.index.remove_worker(worker.url)
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(self.eviction_interval_s)
+            self.index.maintain()
+
+    async def start(self) -> None:
+        if self._timer is None and self.eviction_interval_s > 0:
+            self._timer = asyncio.get_running_loop().create_task(self._maintain())
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+
+    def stats(self) -> Mapping[str, float]:
+        out = dict(self.index.stats())
+        out.update(self.verifier.stats())
+        for reason in ("prefix", "miss", "imbalanced", "degraded"):
+            out[f"decisions_{reason}_total"] = float(self.decisions[reason])
+        return out

@@ -1,0 +1,179 @@
+"""``cost``: route to the worker with the lowest predicted time to first token.
+
+Thresholds like cache_aware's trade cache hits against load with magic numbers; this
+policy prices both in seconds instead:
+
+    ttft(w) = (queued prefill tokens on w + this request's uncached tokens) / prefill speed
+            + tokens loaded from host memory / host load speed
+            + tokens loaded from the shared pool / pool load speed
+            + running requests on w * decode_cost_s
+
+Queued prefill work is booked when a request is routed (``on_routed``), moves to the
+decode count at its first token and is freed at completion, so a burst of requests sees
+the work its predecessors just queued. A hit in a slower tier is worth
+``1 - prefill_speed / load_speed`` of a GPU hit, which is where the tier credits come from.
+The index is the approximate text tree by default, or the precise KV-event index with
+``index=precise`` (falling back to text for requests without token ids).
+
+``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
+minimum, which spreads near-equal choices and keeps the index from tunnelling.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
+from policies.cache_aware import make_radix, make_verifier
+from policies.kv_feed import KvEventFeed
+from policies.prefix_index import IndexMatch, PrefixIndex
+
+
+class Cost(Policy):
+    name = "cost"
+    needs_engine_load = True
+
+    def __init__(self, prefill_tokens_per_s: float = 10_000.0, host_load_tokens_per_s: float = 100_000.0,
+                 pool_load_tokens_per_s: float = 25_000.0, decode_cost_s: float = 0.0002,
+                 temperature: float = 0.0, seed: int | None = None, index: str | PrefixIndex = "approx",
+                 **options) -> None:
+        super().__init__(**options)
+        self.prefill_tps = float(prefill_tokens_per_s)
+        self.host_tps = float(host_load_tokens_per_s)
+        self.pool_tps = float(pool_load_tokens_per_s)
+        self.decode_cost_s = float(decode_cost_s)
+        self.temperature = float(temperature)
+        self._rng = random.Random(None if seed is None else int(seed))
+        self.feed: KvEventFeed | None = None
+        if index == "precise":
+            from policies.kv_events import precise_index
+
+            self.index, self.feed = precise_index(options, self.name)
+        elif index == "approx":
+            self.index = make_radix(options)
+        elif isinstance(index, str):
+            raise ValueError(f"cost: index must be 'approx' or 'precise', not {index!r}")
+        else:
+            self.index = index
+        self.verifier = make_verifier(self.name, options)
+        self._queued: dict[str, float] = {}  # booked prefill tokens per worker
+        self._decoding: dict[str, int] = {}
+        self._avg_uncached = 0.0
+        self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
+        self._live: dict[str, list] = {}  # request id -> [url, tokens, in_prefill]
+
+    # -- the model ----------------------------------------------------------------------
+    def predict(self, request: RequestView, workers: Sequence[WorkerView],
+                match: IndexMatch) -> list[tuple[float, float, float]]:
+        """(ttft seconds, uncached tokens, cached tokens) per worker, in ``workers`` order."""
+        prompt = float(request.prompt_tokens_estimate)
+        inv_prefill, decode_cost, avg = 1.0 / self.prefill_tps, self.decode_cost_s, self._avg_uncached
+        queued_of, decoding_of = self._queued, self._decoding
+        full = prompt * inv_prefill
+        out = []
+        for w in workers:  # every worker: no hit, just its backlog
+            queued = queued_of.get(w.url, 0.0)
+            running = decoding_of.get(w.url, 0)
+            load = w.load
+            if load is not None:  # traffic this gateway did not route still occupies the engine
+                queued = max(queued, load.waiting * avg)
+                running = max(running, load.running)
+            out.append((queued * inv_prefill + running * decode_cost + full, prompt, 0.0))
+        if match.hits and not self.verifier.degraded:  # then credit the few that hold the prefix
+            scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
+            position = {w.url: i for i, w in enumerate(workers)}
+            for url, t in match.hits.items():
+                i = position.get(url)
+                if i is None:
+                    continue
+                gpu, host, pool = t.gpu * scale, t.host * scale, t.pool * scale
+                cached = min(gpu + host + pool, prompt)
+                uncached = prompt - cached
+                ttft = (out[i][0] - full + uncached * inv_prefill
+                        + host / self.host_tps + pool / self.pool_tps)
+                out[i] = (ttft, uncached, cached)
+        return out
+
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
+        require_workers(workers)
+        if self.feed is not None:
+            self.feed.follow(workers)
+        match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
+        costs = self.predict(request, workers, match)
+        if self.temperature > 0 and len(workers) > 1:
+            best = min(c[0] for c in costs)
+            weights = [math.exp(-(c[0] - best) / self.temperature) for c in costs]
+            i = self._rng.choices(range(len(workers)), weights)[0]
+        else:
+            i = min(range(len(workers)), key=lambda j: costs[j][0])  # first of equals
+        chosen = workers[i]
+        ttft, uncached, cached = costs[i]
+        self.index.record(request, chosen)
+        self._picked[request.request_id] = (chosen.url, uncached)
+        if len(self._picked) > 100_000:
+            self._picked.popitem(last=False)
+        prompt = request.prompt_tokens_estimate
+        self.verifier.expect(request.request_id, cached / prompt if prompt else 0.0, round(cached))
+        reason = "degraded" if self.verifier.degraded else "ttft"
+        return Choice(chosen, round(cached), f"{reason} {ttft * 1000:.1f}ms")
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def on_routed(self, request: RequestView, worker: WorkerView) -> None:
+        url, tokens = self._picked.pop(request.request_id, (worker.url, float(request.prompt_tokens_estimate)))
+        if url != worker.url:  # the gateway sent it elsewhere (retry): book it there in full
+            tokens = float(request.prompt_tokens_estimate)
+        self._queued[worker.url] = self._queued.get(worker.url, 0.0) + tokens
+        self._live[request.request_id] = [worker.url, tokens, True]
+        self._avg_uncached += 0.05 * (tokens - self._avg_uncached)
+
+    def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
+        entry = self._live.get(request.request_id)
+        if entry and entry[2]:
+            self._unqueue(entry)
+            self._decoding[entry[0]] = self._decoding.get(entry[0], 0) + 1
+
+    def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
+        self._picked.pop(request.request_id, None)
+        entry = self._live.pop(request.request_id, None)
+        if entry:
+            if entry[2]:
+                self._unqueue(entry)
+            else:
+                self._decoding[entry[0]] = max(self._decoding.get(entry[0], 0) - 1, 0)
+        self.verifier.complete(request.request_id, outcome)
+
+    def _unqueue(self, entry: list) -> None:
+        url, tokens = entry[0], entry[1]
+        self._queued[url] = max(self._queued.get(url, 0.0) - tokens, 0.0)
+        entry[2] = False
+
+    def on_worker_added(self, worker: WorkerView) -> None:
+        if self.feed is not None:
+            self.feed.add(worker)
+
+    def on_worker_removed(self, worker: WorkerView) -> None:
+        if self.feed is not None:
+            self.feed.remove(worker.url)
+        self.index.remove_worker(worker.url)
+        self._queued.pop(worker.url, None)
+        self._decoding.pop(worker.url, None)
+
+    async def start(self) -> None:
+        if self.feed is not None:
+            await self.feed.start()
+
+    async def stop(self) -> None:
+        if self.feed is not None:
+            await self.feed.stop()
+
+    def stats(self) -> Mapping[str, float]:
+        out = dict(self.index.stats())
+        out.update(self.verifier.stats())
+        out["queued_prefill_tokens"] = sum(self._queued.values())
+        out["decoding_requests"] = float(sum(self._decoding.values()))
+        if self.feed is not None:
+            out.update(self.feed.stats())
+        return out

@@ -1,0 +1,65 @@
+"""A ``PrefixIndex`` that is precise when it can be and approximate when it must be.
+
+The KV-event index keys requests by page hashes of token ids; requests that reach the
+gateway as text (chat without a configured tokenizer) have none. Rather than route those
+blind, they go through an approximate text radix tree that learns from *every* routing
+decision, so it is warm whenever it is needed. Fallbacks are counted and logged once:
+a fleet that always falls back is a configuration problem (no ``--tokenizer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from policies.base import RequestView, WorkerView
+from policies.block_index import BlockIndex
+from policies.prefix_index import IndexMatch, Unit
+from policies.radix_index import RadixIndex
+
+log = logging.getLogger("kvgate.policies")
+
+
+class PreciseOrApprox:
+    unit: Unit = "tokens"
+
+    def __init__(self, precise: BlockIndex, approx: RadixIndex, owner: str = "policy") -> None:
+        self.precise = precise
+        self.approx = approx
+        self.owner = owner
+        self.fallbacks = 0
+
+    def usable(self, request: RequestView) -> bool:
+        return self.precise.usable(request) or self.approx.usable(request)
+
+    def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
+        if self.precise.usable(request):
+            return self.precise.match(request, workers)
+        if not self.fallbacks:
+            log.warning("%s: request without token ids, matching on text with the approximate index "
+                        "(give the gateway the engine's tokenizer for precise matching); "
+                        "counted in stats as fallback_requests_total", self.owner)
+        self.fallbacks += 1
+        return self.approx.match(request, workers)
+
+    def record(self, request: RequestView, worker: WorkerView) -> None:
+        self.precise.record(request, worker)
+        if request.text is not None:
+            self.approx.record(request, worker)
+
+    def remove_worker(self, url: str) -> None:
+        self.precise.remove_worker(url)
+        self.approx.remove_worker(url)
+
+    def worker_size(self, url: str) -> int:
+        return self.precise.worker_size(url) or self.approx.worker_size(url)
+
+    def maintain(self, now: float | None = None) -> None:
+        self.precise.maintain(now)
+        self.approx.maintain(now)
+
+    def stats(self) -> Mapping[str, float]:
+        out = {f"approx_{k}": v for k, v in self.approx.stats().items()}
+        out.update(self.precise.stats())
+        out["fallback_requests_total"] = self.fallbacks
+        return out

@@ -1,0 +1,63 @@
+"""``kv_events``: the cache_aware rule on what the engines *report* they cache.
+
+Each worker's SGLang KV-event stream (``--kv-events-config``) feeds a precise block index
+(``policies.block_index`` via ``policies.kv_feed``), so matches reflect the engines' real
+radix caches, evictions and HiCache tiers instead of a guess. Requests need token ids to be
+hashed the way the engine does; those that arrive as text only are matched on an
+approximate text tree that learns from every decision (counted as fallbacks in stats).
+
+Options beyond ``cache_aware``'s: ``kv_endpoints`` (worker URL -> endpoint or
+``{endpoint, replay_endpoint, topic}``; default: each worker's ``server_info["kv_events"]``),
+``page_size`` (when server_info lacks it), ``speculative_ttl_s``, ``replay_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from policies.base import Choice, RequestView, WorkerView
+from policies.block_index import BlockIndex
+from policies.cache_aware import CacheAware, make_radix
+from policies.fallback_index import PreciseOrApprox
+from policies.kv_feed import KvEventFeed, parse_endpoints
+
+
+def precise_index(options: Mapping[str, object], owner: str) -> tuple[PreciseOrApprox, KvEventFeed]:
+    """The precise index with its text fallback and the feed that keeps it current."""
+    precise = BlockIndex(default_page_size=int(options.get("page_size", 1)),
+                         speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)))
+    feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
+                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)))
+    return PreciseOrApprox(precise, make_radix(options, key="text"), owner), feed
+
+
+class KvEvents(CacheAware):
+    name = "kv_events"
+
+    def __init__(self, **options) -> None:
+        index, self.feed = precise_index(options, self.name)
+        super().__init__(index=index, **options)
+
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
+        self.feed.follow(workers)
+        return super().select(request, workers)
+
+    def on_worker_added(self, worker: WorkerView) -> None:
+        self.feed.add(worker)
+
+    def on_worker_removed(self, worker: WorkerView) -> None:
+        self.feed.remove(worker.url)
+        super().on_worker_removed(worker)
+
+    async def start(self) -> None:
+        await self.feed.start()
+        await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.feed.stop()
+
+    def stats(self) -> Mapping[str, float]:
+        out = dict(super().stats())
+        out.update(self.feed.stats())
+        return out

@@ -1,0 +1,261 @@
+"""Feed a ``BlockIndex`` from each worker's SGLang KV-event ZMQ publisher.
+
+One asyncio task per publisher (per DP rank) SUBscribes to ``[topic, seq, payload]``
+frames. The index is only as good as the event stream, so every way of losing events is
+handled explicitly:
+
+* a sequence gap asks the publisher's ROUTER replay socket for the missing batches
+  (``[b"", start_seq]`` -> ``[b"", seq, payload]``... terminated by seq -1);
+* a gap the replay buffer no longer covers, a sequence that goes backwards (the engine
+  restarted) or a dropped TCP connection clears the worker: under-predicting hits costs a
+  little, routing on blocks that are gone costs a full re-prefill;
+* the first message after connecting replays from seq 0, so whatever the publisher still
+  buffers from before we joined is not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from policies.base import WorkerView
+from policies.block_index import BlockIndex
+from wire.kv_events import decode_batch, pack_seq, unpack_seq
+
+log = logging.getLogger("kvgate.policies.kv_events")
+
+
+@dataclass(frozen=True, slots=True)
+class Publisher:
+    url: str  # the worker the events belong to
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+
+
+def _localize(endpoint: str, host: str) -> str:
+    return endpoint.replace("*", host).replace("0.0.0.0", host)
+
+
+def _with_port_offset(endpoint: str, offset: int) -> str:
+    if not offset:
+        return endpoint
+    return re.sub(r":(\d+)$", lambda m: f":{int(m.group(1)) + offset}", endpoint)
+
+
+def publishers_for(worker: WorkerView, override: Mapping[str, object] | None = None) -> list[Publisher]:
+    """Where ``worker`` publishes: a policy-option override, else ``server_info["kv_events"]``.
+    SGLang opens one publisher per DP rank at consecutive ports."""
+    cfg = (override or {}).get(worker.url) or worker.server_info.get("kv_events")
+    if not cfg:
+        return []
+    if isinstance(cfg, str):
+        cfg = {"endpoint": cfg}
+    if not isinstance(cfg, Mapping) or not cfg.get("endpoint"):
+        return []
+    host = worker.host
+    endpoint = _localize(str(cfg["endpoint"]), host)
+    replay = cfg.get("replay_endpoint")
+    replay = _localize(str(replay), host) if replay else None
+    topic = str(cfg.get("topic") or "")
+    ranks = int(worker.server_info.get("dp_size") or 1) if "dp_size" not in cfg else int(cfg["dp_size"])
+    return [
+        Publisher(worker.url, _with_port_offset(endpoint, r),
+                  _with_port_offset(replay, r) if replay else None, topic)
+        for r in range(max(ranks, 1))
+    ]
+
+
+class KvEventFeed:
+    """Runs the subscribers; ``add``/``remove`` follow the fleet, ``start``/``stop`` the loop."""
+
+    def __init__(self, index: BlockIndex, override: Mapping[str, object] | None = None,
+                 replay_timeout_s: float = 2.0) -> None:
+        self.index = index
+        self.override = dict(override or {})
+        self.replay_timeout_s = float(replay_timeout_s)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: dict[Publisher, asyncio.Task] = {}
+        self._workers: dict[str, WorkerView] = {}
+        self.counters = dict.fromkeys(
+            ("messages", "gaps", "replayed", "unrecoverable", "restarts", "disconnects", "decode_errors"), 0)
+
+    @property
+    def running(self) -> bool:
+        return self._ctx is not None
+
+    def add(self, worker: WorkerView) -> None:
+        if worker.url in self._workers:
+            return
+        self._workers[worker.url] = worker
+        if "page_size" in worker.server_info:
+            self.index.set_page_size(worker.url, int(worker.server_info["page_size"]))
+        if self.running:
+            self._spawn(worker)
+
+    def follow(self, workers) -> None:
+        """Subscribe to workers the gateway routes to but never announced (cheap when known)."""
+        known = self._workers
+        for w in workers:
+            if w.url not in known:
+                self.add(w)
+
+    def remove(self, url: str) -> None:
+        self._workers.pop(url, None)
+        for pub in [p for p in self._tasks if p.url == url]:
+            self._tasks.pop(pub).cancel()
+        self.index.remove_worker(url)
+
+    def _spawn(self, worker: WorkerView) -> None:
+        pubs = publishers_for(worker, self.override)
+        if not pubs:
+            log.warning("worker %s publishes no KV events (no server_info.kv_events, no kv_endpoints "
+                        "option): the precise index will never match it", worker.url)
+        for pub in pubs:
+            if pub not in self._tasks:
+                self._tasks[pub] = asyncio.get_running_loop().create_task(self._run(pub))
+
+    async def start(self) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+            for worker in self._workers.values():
+                self._spawn(worker)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # -- one publisher ------------------------------------------------------------------
+    def _apply(self, url: str, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            self.counters["decode_errors"] += 1
+            log.warning("undecodable KV event batch from %s: %s", url, e)
+            return
+        for event in batch.events:
+            self.index.apply(url, event)
+
+    async def _run(self, pub: Publisher) -> None:
+        assert self._ctx is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, pub.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(pub.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        expected: int | None = None
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await recv_monitor_message(monitor)
+                    self.counters["disconnects"] += 1
+                    log.info("KV event publisher %s disconnected: clearing %s", pub.endpoint, pub.url)
+                    self.index.clear_worker(pub.url)
+                    expected = None
+                if sub not in ready:
+                    continue
+                frames = await sub.recv_multipart()
+                if len(frames) < 2:
+                    continue
+                seq, payload = unpack_seq(frames[-2]), frames[-1]
+                self.counters["messages"] += 1
+                if expected is None:
+                    if seq > 0:  # joined late: take what the publisher still buffers
+                        await self._replay(pub, 0, seq, strict=False)
+                elif seq > expected:
+                    self.counters["gaps"] += 1
+                    if not await self._replay(pub, expected, seq, strict=True):
+                        self.counters["unrecoverable"] += 1
+                        log.warning("KV events %d..%d from %s lost for good: clearing %s",
+                                    expected, seq - 1, pub.endpoint, pub.url)
+                        self.index.clear_worker(pub.url)
+                elif seq < expected:
+                    self.counters["restarts"] += 1
+                    log.info("KV event sequence of %s restarted (%d after %d): clearing %s",
+                             pub.endpoint, seq, expected - 1, pub.url)
+                    self.index.clear_worker(pub.url)
+                    if seq > 0:
+                        await self._replay(pub, 0, seq, strict=False)
+                self._apply(pub.url, payload)
+                expected = seq + 1
+        finally:
+            poller.unregister(sub)
+            poller.unregister(monitor)
+            sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+
+    async def _replay(self, pub: Publisher, start: int, stop: int, *, strict: bool) -> bool:
+        """Apply batches ``start..stop-1`` from the replay socket. With ``strict``, any hole
+        (the buffer no longer reaches back to ``start``) applies nothing and fails."""
+        if not pub.replay or self._ctx is None:
+            return False
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pub.replay)
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        try:
+            await sock.send_multipart([b"", pack_seq(start)])
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(int(left * 1000) + 1):
+                    log.warning("KV event replay from %s timed out", pub.replay)
+                    return False
+                frames = await sock.recv_multipart()
+                if len(frames) < 2:
+                    continue
+                seq = unpack_seq(frames[-2])
+                if seq == -1:
+                    break
+                if start <= seq < stop:
+                    got.append((seq, frames[-1]))
+        finally:
+            sock.close(0)
+        got.sort()
+        complete = [s for s, _ in got] == list(range(start, stop))
+        if strict and not complete:
+            return False
+        for _, payload in got:
+            self._apply(pub.url, payload)
+        self.counters["replayed"] += len(got)
+        return complete
+
+    def stats(self) -> Mapping[str, float]:
+        out = {f"kv_{k}": float(v) for k, v in self.counters.items()}
+        out["kv_subscribers"] = float(len(self._tasks))
+        return out
+
+
+def parse_endpoints(option: object) -> dict[str, object]:
+    """The ``kv_endpoints`` policy option: a mapping (YAML) or a JSON object (CLI), worker
+    URL -> endpoint string or ``{"endpoint", "replay_endpoint", "topic"}``."""
+    if not option:
+        return {}
+    if isinstance(option, (str, bytes)):
+        option = msgspec.json.decode(option)
+    if not isinstance(option, Mapping):
+        raise ValueError("kv_endpoints must map worker URLs to endpoints")
+    return dict(option)

@@ -1,0 +1,110 @@
+"""cost: lowest predicted time to first token, over either index."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from policies.base import EngineLoad, Outcome, RequestView, WorkerView
+from policies.block_index import BlockIndex
+from policies.cost import Cost
+from policies.loader import load_policy
+from wire.hashing import page_hashes
+from wire.kv_events import BlockStored
+
+PROMPT = "context " * 500  # 4000 chars, ~1000 tokens by the text estimate
+
+
+def workers(n: int = 3, **kw) -> list[WorkerView]:
+    return [WorkerView(f"http://127.0.0.1:{8100 + i}", **kw) for i in range(n)]
+
+
+def text_req(rid: str, text: str = PROMPT) -> RequestView:
+    return RequestView(rid, "/generate", text=text)
+
+
+def test_registered_and_options_parse_from_strings():
+    policy = load_policy("cost", prefill_tokens_per_s="5000", temperature="0")
+    assert isinstance(policy, Cost) and policy.prefill_tps == 5000.0
+    with pytest.raises(ValueError):
+        Cost(index="bogus")
+
+
+def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
+    policy = Cost(prefill_tokens_per_s=10_000)
+    ws = workers()
+    first = policy.select(text_req("a"), ws)
+    policy.on_routed(text_req("a"), first.worker)  # books ~1000 uncached tokens there
+    policy.on_first_token(text_req("a"), first.worker)  # ... now decoding, queue is free
+    again = policy.select(text_req("b", PROMPT + " more"), ws)
+    assert again.worker.url == first.worker.url
+    assert again.predicted_cached_tokens >= 990
+    # Stack a big prefill backlog on the cached worker: the request should go elsewhere.
+    for i in range(3):
+        big = RequestView(f"big{i}", "/generate", token_ids=list(range(i * 10_000, i * 10_000 + 5000)))
+        policy.select(big, [first.worker])
+        policy.on_routed(big, first.worker)
+    moved = policy.select(text_req("c", PROMPT + " other"), ws)
+    assert moved.worker.url != first.worker.url
+    assert policy.stats()["queued_prefill_tokens"] >= 15_000
+    # Completion frees the backlog.
+    for i in range(3):
+        policy.on_complete(RequestView(f"big{i}", "/generate"), first.worker, Outcome(ok=True))
+    assert policy.stats()["queued_prefill_tokens"] < 15_000
+    back = policy.select(text_req("d", PROMPT + " again"), ws)
+    assert back.worker.url in {first.worker.url, moved.worker.url}  # both hold the prefix now
+    assert back.predicted_cached_tokens >= 990
+
+
+def test_a_burst_of_identical_prompts_spreads_by_booked_work():
+    policy = Cost()
+    ws = workers(4)
+    landed = Counter()
+    for i in range(40):
+        req = text_req(f"r{i}", PROMPT + str(i))
+        choice = policy.select(req, ws)
+        policy.on_routed(req, choice.worker)
+        landed[choice.worker.url] += 1
+    assert len(landed) == 4  # a cache hit is not worth an unbounded queue
+
+
+def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
+    policy = Cost(decode_cost_s=0.01)
+    busy = WorkerView("http://127.0.0.1:8100", load=EngineLoad(running=50, waiting=0))
+    idle = WorkerView("http://127.0.0.1:8101", load=EngineLoad(running=0, waiting=0))
+    assert policy.select(text_req("x"), [busy, idle]).worker.url == idle.url
+
+
+def test_tier_credits_prefer_gpu_over_host_over_pool():
+    index = BlockIndex()
+    tokens = list(range(4096))
+    hashes = page_hashes(tokens, 16)
+    ws = [WorkerView(f"http://127.0.0.1:{8200 + i}", server_info={"page_size": 16}) for i in range(4)]
+    for w, medium in zip(ws, ["EXTERNAL", "CPU_PINNED", "GPU"]):
+        index.apply(w.url, BlockStored(hashes, None, tokens, 16, None, medium))
+    policy = Cost(index=index)
+    req = RequestView("t", "/generate", token_ids=tokens + [1, 2, 3])
+    costs = [c[0] for c in policy.predict(req, ws, index.match(req, ws))]
+    assert costs[2] < costs[1] < costs[0] < costs[3]
+    assert policy.select(req, ws).worker.url == ws[2].url
+
+
+def test_temperature_randomizes_between_near_equal_workers():
+    policy = Cost(temperature=0.05, seed=7)
+    ws = workers(3)
+    picks = Counter(policy.select(text_req(f"r{i}", f"unrelated {i} " * 40), ws).worker.url for i in range(60))
+    assert len(picks) == 3
+    greedy = Cost()
+    assert len({greedy.select(text_req(f"r{i}", f"unrelated {i} " * 40), ws).worker.url for i in range(20)}) == 1
+
+
+def test_precise_index_with_text_fallback_is_counted():
+    policy = Cost(index="precise", page_size=4)
+    ws = workers(2)
+    tokens = list(range(64))
+    policy.index.precise.apply(ws[1].url, BlockStored(page_hashes(tokens, 4), None, tokens, 4))
+    choice = policy.select(RequestView("p", "/generate", token_ids=tokens + [7]), ws)
+    assert choice.worker.url == ws[1].url and choice.predicted_cached_tokens == 64
+    policy.select(text_req("q"), ws)
+    assert policy.stats()["fallback_requests_total"] == 1
