@@ -23,7 +23,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -31,6 +31,8 @@ import msgspec
 from .trace import TraceRecord, expand, load_trace, oracle_hit_rate
 
 _dec = msgspec.json.Decoder()
+_enc = msgspec.json.Encoder()
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(slots=True)
@@ -111,7 +113,8 @@ async def _one(session: aiohttp.ClientSession, base: str, api: str, row: Request
     path, body = _body(api, text, max_tokens, model, row.index)
     t0 = time.monotonic()
     try:
-        async with session.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(base + path, data=_enc.encode(body), headers=_JSON,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             row.status = resp.status
             row.worker = resp.headers.get(worker_header, "")
             if resp.status != 200:
@@ -168,7 +171,7 @@ async def fetch_time_scale(base: str) -> float:
         async with aiohttp.ClientSession() as s:
             async with s.get(base + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
-                    return float((await r.json()).get("time_scale") or 1.0)
+                    return float(_dec.decode(await r.read()).get("time_scale") or 1.0)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         pass
     return 1.0

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import asdict, fields
 from pathlib import Path
+
+import msgspec
 
 from .replay import ReplayResult, RequestResult
 
@@ -19,8 +20,8 @@ def write_outputs(result: ReplayResult, summary: dict, out_dir: str | Path, plot
         w.writerow([fl.name for fl in fields(RequestResult)])
         for r in result.rows:
             w.writerow([getattr(r, fl.name) for fl in fields(RequestResult)])
-    paths[1].write_text(json.dumps([asdict(r) for r in result.rows]))
-    paths[2].write_text(json.dumps({"summary": summary, "meta": result.meta}, indent=2))
+    paths[1].write_bytes(msgspec.json.encode([asdict(r) for r in result.rows]))
+    paths[2].write_bytes(msgspec.json.format(msgspec.json.encode({"summary": summary, "meta": result.meta}), indent=2))
     if plots:
         paths += plot(result, out)
     return paths

@@ -71,11 +71,15 @@ class _Worker:
 
 
 class SimCluster:
-    """Start ``workers`` unified workers, or ``prefill`` + ``decode`` PD workers (or both)."""
+    """Start ``workers`` unified workers, or ``prefill`` + ``decode`` PD workers (or both).
+
+    KV events are on by default (one PUB + replay socket per worker, listed in
+    ``kv_event_endpoints``) because precise cache-aware routing needs them.
+    """
 
     def __init__(self, workers: int = 4, prefill: int = 0, decode: int = 0, host: str = "127.0.0.1",
                  base_port: int | None = None, engine_args: Sequence[str] = (), startup_timeout: float = 30,
-                 kv_events: bool = False, log_dir: str | None = None) -> None:
+                 kv_events: bool = True, log_dir: str | None = None) -> None:
         self.n_unified, self.n_prefill, self.n_decode = workers, prefill, decode
         self.host = host
         self.base_port = base_port

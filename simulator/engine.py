@@ -276,7 +276,7 @@ class Engine:
 
     def load_snapshot(self) -> dict:
         s = self.scheduler
-        used = s.used_tokens
+        used = s.load_tokens
         cap = self.profile.max_total_num_tokens
         return {"running": s.running_count, "waiting": s.waiting_count, "used": used, "cap": cap,
                 "usage": used / cap if cap else 0.0}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from .clock import SimClock
 from .cost_model import CostModel
 from .generation import Planned
 from .radix_cache import RadixCache
+
+log = logging.getLogger("simulator.scheduler")
 
 RESERVE_RATIO = 0.3  # SGLang's new_token_ratio decays from 0.7 towards ~0.14; a middle value
 CLIP_MAX_NEW = 4096  # SGLang's CLIP_MAX_NEW_TOKENS for the reservation estimate
@@ -105,7 +109,17 @@ class Scheduler:
 
     # ---- public API ----------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="scheduler")
+        self._task = asyncio.get_running_loop().create_task(self._guarded(), name="scheduler")
+
+    async def _guarded(self) -> None:
+        """A scheduler bug must end the process loudly, never leave clients hanging."""
+        try:
+            await self.run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("scheduler loop crashed")
+            os._exit(70)
 
     async def stop(self) -> None:
         if self._task:
@@ -157,6 +171,12 @@ class Scheduler:
     @property
     def used_tokens(self) -> int:
         return self.cache.tiers[0].used_tokens + self.private_prompt + self.gen_tokens_running
+
+    @property
+    def load_tokens(self) -> int:
+        """What SGLang reports as num_used_tokens: the pool minus free and evictable pages,
+        i.e. tokens pinned by requests (an idle cache is not load)."""
+        return self.cache.locked_tokens + self.private_prompt + self.gen_tokens_running
 
     def busy(self) -> bool:
         return bool(self.reqs)
@@ -305,7 +325,7 @@ class Scheduler:
                 continue
             if r.use_cache:
                 full = r.prompt_len // self.page_size
-                path = self.cache.insert(r.hashes[:full], r.input_ids)
+                path = self.cache.insert(r.hashes[:full], r.input_ids, salt=r.cache_salt)
                 if path:
                     self.cache.lock(path[-1])
                     self.cache.unlock(r.node)
@@ -377,7 +397,7 @@ class Scheduler:
         hashes = [digest_to_int64(d) for d in digests]
         # the output pages were private decode tokens until now: no net growth, but
         # page-align: the new pages move into the tree
-        self.cache.insert(hashes, tokens, start=r.node if full_prompt else None)
+        self.cache.insert(hashes, tokens, start=r.node if full_prompt else None, salt=r.cache_salt)
 
     def _finish(self, r: Req) -> None:
         self._release(r, insert_output=True)

@@ -36,7 +36,7 @@ def test_oracle_hit_rates():
 
 
 def test_replay_against_simulator(tmp_path):
-    recs = [TraceRecord(i * 10, 700 + i, 4, [0, 100 + (i % 2)]) for i in range(12)]
+    recs = [TraceRecord(i * 1000, 700 + i, 4, [0, 100 + (i % 2)]) for i in range(12)]  # 20 ms apart in wall time
     with sim_worker("--time-scale", "50") as (url, _):
         result = asyncio.run(replay(recs, url, api="generate", speedup=50, concurrency=8))
         s = result.summary()
