@@ -260,7 +260,11 @@ class Engine:
         if pd_meta:
             meta.update(pd_meta)
         if item.return_logprob:
+            # A decode worker never ran the prompt forward, so like SGLang it has no prompt
+            # logprobs: the router puts prefill's in front.
             start = max(item.logprob_start_len, 0) if item.logprob_start_len >= 0 else len(req.input_ids)
+            if self.mode == "decode":
+                start = len(req.input_ids)
             meta["input_token_logprobs"] = [
                 [None if i == 0 else token_logprob(t, i), t, None] for i, t in enumerate(req.input_ids) if i >= start
             ]
