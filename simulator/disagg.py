@@ -120,9 +120,11 @@ class PrefillPD:
         if not st.decode_info.done():
             st.decode_info.set_result(info)
         try:
-            result = await asyncio.shield(st.result)
-        except asyncio.CancelledError:  # the decode gave up
-            raise
+            result = await asyncio.wait_for(asyncio.shield(st.result), self.engine.args.disaggregation_waiting_timeout)
+        except asyncio.TimeoutError:  # the request for this room never reached this prefill
+            self._fail(st, "prefill never received the request for this room")
+            self.rooms.pop(int(info["room"]), None)
+            result = st.result.result()
         return web.Response(body=_enc.encode(result), content_type="application/json")
 
     async def send(self, item: Item, req: Req) -> dict:

@@ -223,6 +223,11 @@ class Engine:
         gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
         self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
                                     req.abort_message is not None)
+        if self.args.log_requests:
+            log.info("rid=%s prompt=%d cached=%d (device %d, host %d) out=%d ttft=%s e2e=%.4f%s", req.rid,
+                     req.prompt_len, req.cached_tokens, req.cached_device, req.cached_host, gen,
+                     f"{ttft:.4f}" if ttft is not None else "-", now - req.arrival,
+                     f" abort={req.abort_message!r}" if req.abort_message else "")
 
     # ---- answers ---------------------------------------------------------------------------
     def finish_reason(self, req: Req, n: int) -> dict | None:

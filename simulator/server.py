@@ -40,7 +40,8 @@ async def serve(argv: list[str] | None) -> int:
             print(f"error: --disaggregation-mode {args.disaggregation_mode} needs mooncake "
                   f"(pip install mooncake-transfer-engine-non-cuda): {e}", file=sys.stderr)
             return 2
-    runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away aborts its request, as in SGLang
+    runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024)
     await site.start()

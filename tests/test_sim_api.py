@@ -173,3 +173,24 @@ def test_flush_cache_refused_while_running_and_abort(worker):
     status, out = result["r"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert post(worker + "/flush_cache", {})[0] == 200
+
+
+def test_client_disconnect_aborts_request(worker):
+    import http.client
+
+    host, port = worker.split("//")[1].split(":")
+    for stream in (True, False):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/generate", body=json.dumps({"text": "bye", "stream": stream,
+                                                           "sampling_params": {"max_new_tokens": 100000}}),
+                     headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 1
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 10
+        while get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 0, f"stream={stream}"
