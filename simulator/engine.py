@@ -178,7 +178,7 @@ class Engine:
                                 f"length ({self.profile.context_length} tokens).")
         if total > self.profile.max_total_num_tokens:
             raise ApiError(400, f"Requested {total} tokens exceed the KV pool ({self.profile.max_total_num_tokens}).")
-        if self.mode == "decode" and item.bootstrap_room is None:
+        if self.mode != "null" and item.bootstrap_room is None:  # prefill and decode alike
             raise ApiError(400, "Disaggregated request received without bootstrap room id")
 
     # ---- running ------------------------------------------------------------------------
@@ -232,7 +232,8 @@ class Engine:
     # ---- answers ---------------------------------------------------------------------------
     def finish_reason(self, req: Req, n: int) -> dict | None:
         if req.abort_message is not None:
-            return {"type": "abort", "message": req.abort_message, "status_code": 500 if req.abort_message.startswith("Decode transfer") else 400}
+            code = 500 if req.abort_message.startswith("Decode transfer") else 400
+            return {"type": "abort", "message": req.abort_message, "status_code": code}
         if req.state != FINISHED:
             return None
         if self.mode == "prefill":

@@ -247,8 +247,12 @@ async def abort_request(request: web.Request) -> web.Response:
     body = _any_decoder.decode(raw) if raw else {}
     if body.get("abort_all"):
         engine.scheduler.abort(None, "Abort all requests")
+        if engine.pd is not None:
+            engine.pd.abort(None)
     elif body.get("rid"):
         engine.scheduler.abort(body["rid"], "Abort request")
+        if engine.pd is not None:
+            engine.pd.abort(body["rid"])
     return web.Response(status=200)
 
 
