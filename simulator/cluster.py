@@ -6,8 +6,9 @@ to this checkout so it runs uninstalled.
 
 Port layout when ``base_port`` is given (else every port is a free ephemeral one):
 HTTP ``base_port + i``, PD bootstrap ``base_port + 100 + i``, KV events
-``base_port + 200 + 2i`` (PUB) and ``+1`` (replay), for worker index ``i`` (prefill
-workers first, then decode, then unified).
+``base_port + 200 + 2*dp*i`` (PUB, one per DP rank) and ``+ dp`` (replay), for worker
+index ``i`` (prefill workers first, then decode, then unified). ``kv_event_endpoints``
+names DP rank 0's publisher; rank r is at its port + r, as in SGLang.
 """
 
 from __future__ import annotations
@@ -32,6 +33,34 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _free_run(host: str, n: int) -> int:
+    """A port p with p .. p+n-1 all free (DP rank r's KV publisher binds base + r)."""
+    for _ in range(200):
+        p = _free_port(host)
+        socks = []
+        try:
+            for k in range(1, n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports on {host}")
+
+
+def _dp_size(args: Sequence[str]) -> int:
+    for i, a in enumerate(args):
+        if a == "--dp-size" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--dp-size="):
+            return int(a.split("=", 1)[1])
+    return 1
 
 
 def _status(url: str) -> int | None:
@@ -117,7 +146,12 @@ class SimCluster:
                     bootstrap = self._port(100 + i)
                     args += ["--disaggregation-bootstrap-port", str(bootstrap)]
                 if self.kv_events:
-                    pub, replay = self._port(200 + 2 * i), self._port(201 + 2 * i)
+                    dp = _dp_size(self.engine_args)
+                    if self.base_port is not None:
+                        pub = self.base_port + 200 + 2 * dp * i
+                        replay = pub + dp
+                    else:
+                        pub, replay = _free_run(self.host, dp), _free_run(self.host, dp)
                     cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv",
                            "replay_endpoint": f"tcp://*:{replay}"}
                     args += ["--kv-events-config", json.dumps(cfg)]

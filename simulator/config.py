@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sglang-version", default=DEFAULT_VERSION)
-    p.add_argument("--dp-size", type=int, default=1, help="reported only; one scheduler per process")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="independent DP ranks in this process (own pool, cache, scheduler, KV publisher)")
     p.add_argument("--tp-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--enable-cache-report", action=argparse.BooleanOptionalAction, default=True)

@@ -258,7 +258,7 @@ class DecodePD:
                 await self.te.pool.free(off, n)
         req.first_token_at = time.monotonic()
         log.debug("room %s: %d bytes in %.1f ms", item.bootstrap_room, n, (time.perf_counter() - t0) * 1000)
-        return eng.submit(req)
+        return eng.submit(req, item.dp_rank)
 
     def _failed(self, req: Req, message: str, transfer_failure: bool = True) -> Req:
         if transfer_failure:

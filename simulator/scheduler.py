@@ -43,6 +43,7 @@ class Req:
     priority: int | None = None
     prefilled: bool = False  # PD decode: KV arrived from prefill, skip the extend
     use_cache: bool = True
+    dp_rank: int = 0
     arrival: float = field(default_factory=time.monotonic)
     state: str = WAITING
     digests: list[bytes] | None = None
