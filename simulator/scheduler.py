@@ -322,19 +322,26 @@ class Scheduler:
             if r.state != PREFILL:  # aborted meanwhile
                 continue
             r.extended += take
+            if r.use_cache:
+                self._cache_prefix(r, r.extended)
             if r.extended < r.prompt_len:
                 continue
-            if r.use_cache:
-                full = r.prompt_len // self.page_size
-                path = self.cache.insert(r.hashes[:full], r.input_ids, salt=r.cache_salt)
-                if path:
-                    self.cache.lock(path[-1])
-                    self.cache.unlock(r.node)
-                    r.node = path[-1]
-                    self.private_prompt -= full * self.page_size - r.locked_len
-                    r.locked_len = full * self.page_size
             r.first_token_at = now
             self._start_decode(r)
+
+    def _cache_prefix(self, r: Req, tokens: int) -> None:
+        """Put the computed full pages into the tree, as SGLang's cache_unfinished_req does
+        after every chunk: a long prompt becomes reusable (and visible in KV events) while
+        it is still being prefilled."""
+        full = tokens // self.page_size
+        if full * self.page_size <= r.locked_len:
+            return
+        path = self.cache.insert(r.hashes[:full], r.input_ids, salt=r.cache_salt)
+        self.cache.lock(path[-1])
+        self.cache.unlock(r.node)
+        r.node = path[-1]
+        self.private_prompt -= full * self.page_size - r.locked_len
+        r.locked_len = full * self.page_size
 
     def _start_decode(self, r: Req) -> None:
         if r.first_token_at is None:

@@ -64,3 +64,23 @@ def test_shared_prefix_hits_and_queueing():
     # the first extend of the shared 200-token prefix is reused by later requests
     assert submitted[0].cached_tokens == 0
     assert any(r.cached_tokens >= 192 for r in submitted[1:])
+
+
+def test_chunked_prefill_caches_each_chunk():
+    async def run() -> tuple[list[int], int]:
+        prof = get_profile("tiny-test", max_total_num_tokens=1 << 16, chunked_prefill_size=256)
+        cache = RadixCache(PS, build_tiers(1 << 16), clock=lambda: 0.0)
+        sched = Scheduler(CostModel(prof), cache, SimClock(1.0), page_size=PS, max_total_tokens=1 << 16,
+                          max_running=8, chunk_size=256)
+        sched.start()
+        r = sched.submit(Req(rid="long", input_ids=list(range(200)) * 5, planned=plan_output(1, 2, SamplingParams())))
+        seen = []
+        while r.state != FINISHED:
+            seen.append(cache.tiers[0].used_tokens)
+            await asyncio.sleep(0.001)
+        await sched.stop()
+        return seen, r.prompt_len
+
+    seen, n = asyncio.run(run())
+    # pages appeared chunk by chunk (256, 512, ...) before the 1000-token prefill finished
+    assert 256 in seen and 512 in seen and max(seen) <= n
