@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (SGLang's option)")
     p.add_argument("--sglang-version", default=DEFAULT_VERSION)
     p.add_argument("--dp-size", type=int, default=1,
                    help="independent DP ranks in this process (own pool, cache, scheduler, KV publisher)")

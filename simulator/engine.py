@@ -246,6 +246,7 @@ class Engine:
         """Yield the generated-token count each time it grows, ending when ``req`` ends."""
         sent = 0
         sched = self.sched_of(req)
+        interval = max(1, self.args.stream_interval)
         while True:
             if req.state == FINISHED:
                 n = sched.generated(req)
@@ -253,7 +254,7 @@ class Engine:
                     yield n
                 return
             n = sched.generated(req)
-            if n > sent:
+            if n >= sent + interval or (n > sent and sent == 0):  # the first token goes out at once
                 sent = n
                 yield n
             await sched.tick()

@@ -363,6 +363,9 @@ class Scheduler:
 
     def _apply_decode(self) -> None:
         self.steps += 1
+        over = self.used_tokens - self.capacity
+        if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang
+            self.cache.evict(0, over)
         heap = self._heap
         while heap and heap[0][0] <= self.steps:
             _, _, r = heapq.heappop(heap)
