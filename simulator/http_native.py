@@ -152,7 +152,9 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "version": engine.version,
         "time_scale": a.time_scale,
         "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
-                      "host_pool_tokens": engine.host_tokens},
+                      "host_pool_tokens": engine.host_tokens,
+                      "forward_steps": sum(r.scheduler.forward_steps for r in engine.ranks),
+                      "busy_sim_s": sum(r.scheduler.busy_sim for r in engine.ranks)},
         "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }

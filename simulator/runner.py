@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import ApiError, Engine, Item
+from .engine import Engine, Item
 from .scheduler import FINISHED, Req
 
 
@@ -48,8 +48,3 @@ async def collect(engine: Engine, item: Item) -> Progress:
         last = p
     assert last is not None
     return last
-
-
-def raise_if_aborted(p: Progress) -> None:
-    if p.req.abort_message is not None and p.req.abort_message.startswith("Decode transfer"):
-        raise ApiError(500, p.req.abort_message, "InternalServerError")
