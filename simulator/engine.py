@@ -119,6 +119,8 @@ class Engine:
                 max_total_tokens=self.profile.max_total_num_tokens, max_running=self.profile.max_running_requests,
                 chunk_size=self.profile.chunked_prefill_size,
                 on_events=publisher.publish if publisher else None, on_finish=self._on_finish,
+                policy=self.args.schedule_policy, priority=self.args.enable_priority_scheduling,
+                low_priority_values_first=self.args.schedule_low_priority_values_first,
             )
             sched.start()
             self.ranks.append(Rank(rank, cache, sched, publisher))

@@ -138,6 +138,8 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "max_running_requests": p.max_running_requests,
         "chunked_prefill_size": p.chunked_prefill_size,
         "disable_radix_cache": a.disable_radix_cache,
+        "schedule_policy": a.schedule_policy,
+        "enable_priority_scheduling": a.enable_priority_scheduling,
         "enable_cache_report": a.enable_cache_report,
         "enable_metrics": a.enable_metrics,
         "enable_hierarchical_cache": engine.host_tokens > 0,

@@ -80,8 +80,13 @@ class Scheduler:
     def __init__(self, cost: CostModel, cache: RadixCache, clock: SimClock, *, page_size: int,
                  max_total_tokens: int, max_running: int, chunk_size: int,
                  on_events: Callable[[list], None] | None = None,
-                 on_finish: Callable[[Req], None] | None = None) -> None:
+                 on_finish: Callable[[Req], None] | None = None,
+                 policy: str = "fcfs", priority: bool = False, low_priority_values_first: bool = False) -> None:
         self.cost, self.cache, self.clock = cost, cache, clock
+        self.policy = policy
+        self.priority = priority
+        self._prio_sign = 1 if low_priority_values_first else -1
+        self._unsorted = False
         self.page_size = page_size
         self.capacity = max_total_tokens
         self.max_running = max_running
@@ -137,6 +142,7 @@ class Scheduler:
             self.ready.append(req)
         else:
             self.waiting.append(req)
+            self._unsorted = True
         self._wake.set()
         return req
 
@@ -289,7 +295,30 @@ class Scheduler:
         self.sum_max_new += r.max_new
         return True, host_pages * ps
 
+    def _order_waiting(self) -> None:
+        """SGLang's schedule policies: fcfs keeps arrival order; lpm serves the longest
+        cached prefix first (falling back to fcfs past 128 waiting, as SGLang does); with
+        priority scheduling the priority decides first (larger first unless
+        low_priority_values_first)."""
+        lpm = self.policy == "lpm" and len(self.waiting) <= 128
+        if not (lpm or (self.priority and self._unsorted)):
+            return
+        key_parts = []
+        for r in self.waiting:
+            prio = self._prio_sign * (r.priority or 0) if self.priority else 0
+            hit = 0
+            if lpm and r.use_cache:
+                if r.hashes is None:
+                    self._hash_prompt(r)
+                hit = self.cache.match(r.hashes[: (r.prompt_len - 1) // self.page_size], touch=False).pages
+            key_parts.append(((prio, -hit, r.arrival), r))
+        key_parts.sort(key=lambda kr: kr[0])
+        self.waiting = deque(r for _, r in key_parts)
+        self._unsorted = False
+
     def _form_extend(self) -> tuple[list[tuple[Req, int]], int]:
+        if self.waiting:
+            self._order_waiting()
         budget = self.chunk_size
         parts: list[tuple[Req, int]] = []
         host_load = 0

@@ -84,3 +84,37 @@ def test_chunked_prefill_caches_each_chunk():
     seen, n = asyncio.run(run())
     # pages appeared chunk by chunk (256, 512, ...) before the 1000-token prefill finished
     assert 256 in seen and 512 in seen and max(seen) <= n
+
+
+def _order_after_blocker(policy: str, priority: bool, reqs: list[Req]) -> list[str]:
+    """Submit a long blocker, then ``reqs`` while it runs; report their admission order."""
+    async def run() -> list[str]:
+        prof = get_profile("tiny-test", max_total_num_tokens=1 << 16)
+        cache = RadixCache(PS, build_tiers(1 << 16))
+        sched = Scheduler(CostModel(prof), cache, SimClock(100.0), page_size=PS, max_total_tokens=1 << 16,
+                          max_running=2, chunk_size=4096, policy=policy, priority=priority)
+        order: list[str] = []
+        sched.on_finish = lambda r: order.append(r.rid)
+        sched.start()
+        warm = sched.submit(Req(rid="warm", input_ids=[7] * 300, planned=plan_output(0, 1, SamplingParams())))
+        await warm.done
+        blocker = sched.submit(Req(rid="blocker", input_ids=[1, 2, 3], planned=plan_output(0, 30, SamplingParams())))
+        filler = sched.submit(Req(rid="filler", input_ids=[4, 5, 6], planned=plan_output(0, 30, SamplingParams())))
+        for r in reqs:
+            sched.submit(r)
+        await asyncio.wait_for(asyncio.gather(blocker.done, filler.done, *(r.done for r in reqs)), 20)
+        await sched.stop()
+        return [rid for rid in order if rid not in ("warm", "blocker", "filler")]
+
+    return asyncio.run(run())
+
+
+def _mk(rid: str, ids: list[int], priority: int | None = None) -> Req:
+    return Req(rid=rid, input_ids=ids, planned=plan_output(1, 1, SamplingParams()), priority=priority)
+
+
+def test_priority_and_lpm_reorder_the_waiting_queue():
+    reqs = lambda: [_mk("cold", [9] * 300, 1), _mk("hot", [7] * 300, 5)]  # noqa: E731
+    assert _order_after_blocker("fcfs", False, reqs()) == ["cold", "hot"]
+    assert _order_after_blocker("fcfs", True, reqs()) == ["hot", "cold"]  # larger priority first
+    assert _order_after_blocker("lpm", False, reqs()) == ["hot", "cold"]  # "hot" shares the warm prefix
