@@ -83,6 +83,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--decisions", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the index in the cyclic GC's view (default: gc.freeze() after setup, "
+                         "as a long-running gateway does after startup, so full collections do not "
+                         "rescan the index)")
     args = ap.parse_args()
     ps = args.page_size
     rng = random.Random(args.seed)
@@ -154,6 +158,9 @@ def main() -> None:
     cost_precise = Cost(index=precise)
     cost_approx = Cost(index=radix)
 
+    if not args.no_gc_freeze:
+        gc.collect()
+        gc.freeze()
     results = []
     reqs = [nxt for _, nxt in turns("w")]
     precise._hash_cache = len(reqs) + 1
@@ -177,6 +184,8 @@ def main() -> None:
     print(f"# Routing decision cost ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC})")
     print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
     print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
+    print(f"gc: {'default (index scanned by full collections)' if args.no_gc_freeze else 'gc.freeze() after setup'}; "
+          f"load average at end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}")
     print(f"fleet: {args.workers} workers, {len(precise.blocks):,} distinct blocks (page {ps}), "
           f"{n_conv} conversations x {args.turns} turns, prompts avg {avg_tokens:.0f} tokens")
     print(f"precise index: {mem_precise:.0f} MiB RSS, built in {build_precise:.1f} s; "
