@@ -138,3 +138,27 @@ def test_page_hash_cache_reuses_the_previous_turn():
     turn2 = turn1 + [7] * 50
     assert cache.hashes(turn2, 2) == page_hashes(turn2, 2)
     assert cache.pages_hashed - hashed <= 25 + 4 and cache.pages_reused >= 196
+
+
+def _reference_page_hashes(tokens, page_size, salt=None):
+    """SGLang's chain transcribed literally (struct per page), to pin wire.hashing down."""
+    import hashlib
+    import struct
+
+    prev = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).digest() if salt else None
+    out = []
+    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
+        h = hashlib.sha256()
+        if prev is not None:
+            h.update(prev)
+        h.update(struct.pack(f"<{page_size}I", *tokens[start:start + page_size]))
+        prev = h.digest()
+        out.append(int.from_bytes(prev[:8], "big", signed=True))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.sampled_from([1, 2, 3, 16]),
+       st.sampled_from([None, "", "tenant"]))
+def test_wire_hashing_matches_the_literal_chain(tokens, page_size, salt):
+    assert page_hashes(tokens, page_size, salt) == _reference_page_hashes(tokens, page_size, salt)
