@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -32,6 +33,8 @@ from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, requ
 from policies.hit_verification import HitVerifier
 from policies.prefix_index import IndexMatch, PrefixIndex
 from policies.radix_index import RadixIndex
+
+log = logging.getLogger("kvgate.policies")
 
 
 def in_flight(workers: Sequence[WorkerView]) -> list[int]:
@@ -129,7 +132,10 @@ class CacheAware(Policy):
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.eviction_interval_s)
-            self.index.maintain()
+            try:
+                self.index.maintain()
+            except Exception:  # a bug here must not stop every later eviction
+                log.exception("%s: index maintenance failed", self.name)
 
     async def start(self) -> None:
         if self._timer is None and self.eviction_interval_s > 0:

@@ -168,6 +168,20 @@ class KvEventFeed:
             self.index.apply(url, event)
 
     async def _run(self, pub: Publisher) -> None:
+        """Keep one subscription alive: an unexpected error drops what the worker's state was
+        built from, so it is cleared and the subscription starts over (with a replay)."""
+        while True:
+            try:
+                await self._subscribe(pub)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV event subscriber for %s failed; clearing %s and resubscribing",
+                              pub.endpoint, pub.url)
+                self.index.clear_worker(pub.url)
+                await asyncio.sleep(1.0)
+
+    async def _subscribe(self, pub: Publisher) -> None:
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
