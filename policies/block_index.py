@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from itertools import accumulate, repeat
-from operator import and_
+from operator import and_, or_
 
 from policies.base import RequestView, WorkerView
 from policies.prefix_index import IndexMatch, Tiers, Unit
@@ -275,14 +275,12 @@ class BlockIndex:
         return pages
 
     def _walk(self, chain: list[int], wanted: int, ps: int, hits: dict[str, Tiers]) -> None:
-        pages = self._prefix_pages(list(map(self.blocks.get, chain, repeat(0))), wanted)
-        if self._spec:
-            # Engine caches are prefix-closed and speculative entries are whole prompts from
-            # page 0, so the union's prefix is the longer of the two (spec counts as GPU).
-            spec = self._prefix_pages(list(map(self._spec.get, chain, repeat(0))), wanted)
-            for b, n in spec.items():
-                if n > pages.get(b, 0):
-                    pages[b] = n
+        masks = list(map(self.blocks.get, chain, repeat(0)))
+        if self._spec:  # speculative pages count as GPU; OR them in, all in C
+            spec = list(map(self._spec.get, chain, repeat(0)))
+            if any(spec):
+                masks = list(map(or_, masks, spec))
+        pages = self._prefix_pages(masks, wanted)
         urls = self._urls
         for b, a in pages.items():
             if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix

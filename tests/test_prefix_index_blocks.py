@@ -162,3 +162,17 @@ def _reference_page_hashes(tokens, page_size, salt=None):
        st.sampled_from([None, "", "tenant"]))
 def test_wire_hashing_matches_the_literal_chain(tokens, page_size, salt):
     assert page_hashes(tokens, page_size, salt) == _reference_page_hashes(tokens, page_size, salt)
+
+
+def test_speculative_pages_extend_reported_ones():
+    """A follow-up recorded after its prefix was reported only adds the new pages; the
+    walk must still see reported + speculative pages as one prefix."""
+    index = BlockIndex(speculative_ttl_s=30)
+    first = list(range(8))
+    index.apply(URLS[0], BlockStored(page_hashes(first, PS), None, first, PS))
+    follow_up = first + [50, 51, 52, 53]
+    request = req(follow_up, rid="f")
+    assert index.match(request, WORKERS).hits[URLS[0]].gpu == 8
+    index.record(request, WORKERS[0])
+    assert len(index._spec) == 2  # only the two new pages
+    assert index.match(req(follow_up + [9], rid="g"), WORKERS).hits[URLS[0]].gpu == 12
