@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from itertools import accumulate, repeat
-from operator import and_, or_
+from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
 from policies.prefix_index import IndexMatch, Tiers, Unit
@@ -36,6 +36,7 @@ from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
 _CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
+_url = attrgetter("url")
 
 
 def medium_tier(medium: str | None) -> int:
@@ -217,7 +218,7 @@ class BlockIndex:
 
     def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int]]:
         """(page size, mask of the candidates' bits) groups, cached per worker set."""
-        key = tuple(w.url for w in workers)
+        key = tuple(map(_url, workers))
         got = self._groups.get(key)
         if got is not None and got[0] == self._version:
             return got[1]

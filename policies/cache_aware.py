@@ -28,6 +28,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.hit_verification import HitVerifier
@@ -35,10 +36,11 @@ from policies.prefix_index import IndexMatch, PrefixIndex
 from policies.radix_index import RadixIndex
 
 log = logging.getLogger("kvgate.policies")
+_in_flight = attrgetter("in_flight")
 
 
 def in_flight(workers: Sequence[WorkerView]) -> list[int]:
-    return [w.in_flight for w in workers]
+    return list(map(_in_flight, workers))
 
 
 def engine_queue(workers: Sequence[WorkerView]) -> list[int]:

@@ -22,10 +22,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from policies.base import RequestView, WorkerView
 from policies.page_hash_cache import token_bytes
 from policies.prefix_index import IndexMatch, Tiers, Unit
+
+
+_url = attrgetter("url")
 
 
 class _Node:
@@ -124,7 +128,7 @@ class RadixIndex:
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         key, skip, unit = self._key(request)
         result = IndexMatch(len(key) - skip, unit)
-        wanted = {w.url for w in workers}
+        wanted = set(map(_url, workers))
         hits = result.hits
         # Tenants only shrink going down a path, so the deepest node holding a tenant is
         # where its match ends.
