@@ -13,20 +13,10 @@ mis-predict a cache hit, never corrupt a request).
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from wire.hashing import digest_to_int64, page_digests
-
-
-def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Tokens as uint32 little-endian, the layout SGLang hashes."""
-    buf = array("I", tokens)
-    if sys.byteorder != "little":
-        buf.byteswap()
-    return buf.tobytes()
+from wire.hashing import chain_digests, digest_to_int64, page_digests, salt_seed, uint32_le
 
 
 class PageHashCache:
@@ -43,7 +33,7 @@ class PageHashCache:
         if pages < every:
             self.pages_hashed += pages
             return [digest_to_int64(d) for d in page_digests(tokens, page_size, cache_salt)]
-        buf = token_bytes(tokens[: pages * page_size])
+        buf = uint32_le(tokens[: pages * page_size])
         step = page_size * 4
         cache = self._cache
         salt = cache_salt or ""
@@ -59,10 +49,10 @@ class PageHashCache:
                 lo, found = mid, got
         start = lo * every
         if found is None:
-            digests = page_digests(tokens[: pages * page_size], page_size, cache_salt)
+            digests = chain_digests(buf, page_size, salt_seed(cache_salt))
             out = [digest_to_int64(d) for d in digests]
         else:
-            digests = page_digests(tokens[start * page_size: pages * page_size], page_size, prev=found[0])
+            digests = chain_digests(buf[start * step:], page_size, found[0])
             out = found[1][:start]
             out += [digest_to_int64(d) for d in digests]
         self.pages_hashed += pages - start
