@@ -120,7 +120,7 @@ def test_orphans_are_counted_and_page_sizes_differ_per_worker():
 def test_page_hash_cache_equals_wire_hashing(prompts, page_size, salt):
     from policies.page_hash_cache import PageHashCache
 
-    cache = PageHashCache(every=2, max_checkpoints=8)
+    cache = PageHashCache(every=2, max_segments=8)
     grown = []
     for p in prompts:  # conversations grow: each prompt extends the previous one
         grown = grown + p
