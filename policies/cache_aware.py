@@ -37,6 +37,7 @@ from policies.radix_index import RadixIndex
 
 log = logging.getLogger("kvgate.policies")
 _in_flight = attrgetter("in_flight")
+_url = attrgetter("url")
 
 
 def in_flight(workers: Sequence[WorkerView]) -> list[int]:
@@ -108,8 +109,12 @@ class CacheAware(Policy):
         best = max(scores.values(), default=0.0)
         if match.query_len and best / match.query_len > self.cache_threshold:
             floor = best * self.tie_ratio
-            sharers = {url for url, score in scores.items() if score >= floor}
-            found = [(load, -scores[w.url], i) for i, (w, load) in enumerate(zip(workers, loads)) if w.url in sharers]
+            urls = list(map(_url, workers))
+            found = []
+            for url, score in scores.items():
+                if score >= floor:
+                    i = urls.index(url)
+                    found.append((loads[i], -score, i))
             return workers[min(found)[2]], "prefix"
         return self._least_loaded(workers, loads, lo), "miss"
 
