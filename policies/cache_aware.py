@@ -112,7 +112,7 @@ class CacheAware(Policy):
             urls = list(map(_url, workers))
             found = []
             for url, score in scores.items():
-                if score >= floor:
+                if score >= floor and url in urls:
                     i = urls.index(url)
                     found.append((loads[i], -score, i))
             return workers[min(found)[2]], "prefix"
