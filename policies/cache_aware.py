@@ -115,7 +115,8 @@ class CacheAware(Policy):
                 if score >= floor and url in urls:
                     i = urls.index(url)
                     found.append((loads[i], -score, i))
-            return workers[min(found)[2]], "prefix"
+            if found:
+                return workers[min(found)[2]], "prefix"
         return self._least_loaded(workers, loads, lo), "miss"
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
