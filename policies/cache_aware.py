@@ -85,6 +85,8 @@ class CacheAware(Policy):
         self.pool_credit = float(pool_credit)
         self.eviction_interval_s = float(eviction_interval_s)
         self._loads = LOADS[load]
+        if isinstance(index, str):
+            raise ValueError("cache_aware keeps its own approximate index; the precise one is policy kv_events")
         self.index: PrefixIndex = index if index is not None else make_radix(options)
         self.verifier = make_verifier(self.name, options)
         self.decisions: Counter[str] = Counter()
