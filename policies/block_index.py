@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from itertools import accumulate, repeat
-from operator import and_
+from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
 from policies.prefix_index import IndexMatch, Tiers, Unit
@@ -36,6 +36,7 @@ from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
 _CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
+_url = attrgetter("url")
 
 
 def medium_tier(medium: str | None) -> int:
@@ -217,7 +218,7 @@ class BlockIndex:
 
     def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int]]:
         """(page size, mask of the candidates' bits) groups, cached per worker set."""
-        key = tuple(w.url for w in workers)
+        key = tuple(map(_url, workers))
         got = self._groups.get(key)
         if got is not None and got[0] == self._version:
             return got[1]
@@ -275,14 +276,12 @@ class BlockIndex:
         return pages
 
     def _walk(self, chain: list[int], wanted: int, ps: int, hits: dict[str, Tiers]) -> None:
-        pages = self._prefix_pages(list(map(self.blocks.get, chain, repeat(0))), wanted)
-        if self._spec:
-            # Engine caches are prefix-closed and speculative entries are whole prompts from
-            # page 0, so the union's prefix is the longer of the two (spec counts as GPU).
-            spec = self._prefix_pages(list(map(self._spec.get, chain, repeat(0))), wanted)
-            for b, n in spec.items():
-                if n > pages.get(b, 0):
-                    pages[b] = n
+        masks = list(map(self.blocks.get, chain, repeat(0)))
+        if self._spec:  # speculative pages count as GPU; OR them in, all in C
+            spec = list(map(self._spec.get, chain, repeat(0)))
+            if any(spec):
+                masks = list(map(or_, masks, spec))
+        pages = self._prefix_pages(masks, wanted)
         urls = self._urls
         for b, a in pages.items():
             if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix

@@ -25,17 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.hit_verification import HitVerifier
 from policies.prefix_index import IndexMatch, PrefixIndex
 from policies.radix_index import RadixIndex
 
+log = logging.getLogger("kvgate.policies")
+_in_flight = attrgetter("in_flight")
+_url = attrgetter("url")
+
 
 def in_flight(workers: Sequence[WorkerView]) -> list[int]:
-    return [w.in_flight for w in workers]
+    return list(map(_in_flight, workers))
 
 
 def engine_queue(workers: Sequence[WorkerView]) -> list[int]:
@@ -79,6 +85,8 @@ class CacheAware(Policy):
         self.pool_credit = float(pool_credit)
         self.eviction_interval_s = float(eviction_interval_s)
         self._loads = LOADS[load]
+        if isinstance(index, str):
+            raise ValueError("cache_aware keeps its own approximate index; the precise one is policy kv_events")
         self.index: PrefixIndex = index if index is not None else make_radix(options)
         self.verifier = make_verifier(self.name, options)
         self.decisions: Counter[str] = Counter()
@@ -103,9 +111,14 @@ class CacheAware(Policy):
         best = max(scores.values(), default=0.0)
         if match.query_len and best / match.query_len > self.cache_threshold:
             floor = best * self.tie_ratio
-            sharers = {url for url, score in scores.items() if score >= floor}
-            found = [(load, -scores[w.url], i) for i, (w, load) in enumerate(zip(workers, loads)) if w.url in sharers]
-            return workers[min(found)[2]], "prefix"
+            urls = list(map(_url, workers))
+            found = []
+            for url, score in scores.items():
+                if score >= floor and url in urls:
+                    i = urls.index(url)
+                    found.append((loads[i], -score, i))
+            if found:
+                return workers[min(found)[2]], "prefix"
         return self._least_loaded(workers, loads, lo), "miss"
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
@@ -129,7 +142,10 @@ class CacheAware(Policy):
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.eviction_interval_s)
-            self.index.maintain()
+            try:
+                self.index.maintain()
+            except Exception:  # a bug here must not stop every later eviction
+                log.exception("%s: index maintenance failed", self.name)
 
     async def start(self) -> None:
         if self._timer is None and self.eviction_interval_s > 0:

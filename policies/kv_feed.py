@@ -87,6 +87,7 @@ class KvEventFeed:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[Publisher, asyncio.Task] = {}
         self._workers: dict[str, WorkerView] = {}
+        self._waiting: set[str] = set()  # known workers whose server_info named no publisher yet
         self.counters = dict.fromkeys(
             ("messages", "gaps", "replayed", "unrecoverable", "restarts", "disconnects", "decode_errors"), 0)
 
@@ -109,9 +110,14 @@ class KvEventFeed:
         for w in workers:
             if w.url not in known:
                 self.add(w)
+        if self._waiting and self.running:  # server_info may arrive after the worker did
+            for url in list(self._waiting):
+                if publishers_for(self._workers[url], self.override):
+                    self._spawn(self._workers[url])
 
     def remove(self, url: str) -> None:
         self._workers.pop(url, None)
+        self._waiting.discard(url)
         for pub in [p for p in self._tasks if p.url == url]:
             self._tasks.pop(pub).cancel()
         self.index.remove_worker(url)
@@ -119,8 +125,15 @@ class KvEventFeed:
     def _spawn(self, worker: WorkerView) -> None:
         pubs = publishers_for(worker, self.override)
         if not pubs:
-            log.warning("worker %s publishes no KV events (no server_info.kv_events, no kv_endpoints "
-                        "option): the precise index will never match it", worker.url)
+            if worker.url not in self._waiting:
+                self._waiting.add(worker.url)
+                log.warning("worker %s names no KV event publisher (no server_info.kv_events, no "
+                            "kv_endpoints option): the precise index cannot match it until it does",
+                            worker.url)
+            return
+        self._waiting.discard(worker.url)
+        if "page_size" in worker.server_info:
+            self.index.set_page_size(worker.url, int(worker.server_info["page_size"]))
         for pub in pubs:
             if pub not in self._tasks:
                 self._tasks[pub] = asyncio.get_running_loop().create_task(self._run(pub))
@@ -155,6 +168,20 @@ class KvEventFeed:
             self.index.apply(url, event)
 
     async def _run(self, pub: Publisher) -> None:
+        """Keep one subscription alive: an unexpected error drops what the worker's state was
+        built from, so it is cleared and the subscription starts over (with a replay)."""
+        while True:
+            try:
+                await self._subscribe(pub)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV event subscriber for %s failed; clearing %s and resubscribing",
+                              pub.endpoint, pub.url)
+                self.index.clear_worker(pub.url)
+                await asyncio.sleep(1.0)
+
+    async def _subscribe(self, pub: Publisher) -> None:
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

@@ -240,3 +240,24 @@ def test_speculative_entries_cover_the_gap_before_events():
     assert second.worker.url == first.worker.url and second.predicted_cached_tokens == 40
     policy.index.precise.expire(now=time.monotonic() + 60)
     assert policy.index.precise.match(req(prompt, "c"), ws).hits == {}
+
+
+def test_server_info_that_arrives_after_the_worker_is_picked_up():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        engine = EnginePublisher(ctx)
+        worker = WorkerView("http://127.0.0.1:30001")  # still starting: no server_info yet
+        policy = KvEvents(speculative_ttl_s=0)
+        await policy.start()
+        policy.on_worker_added(worker)
+        try:
+            assert policy.stats()["kv_subscribers"] == 0
+            worker.server_info = engine.server_info()  # the gateway's discovery caught up
+            policy.select(req([1] * 8, "x"), [worker])
+            await engine.wait_subscriber()
+            await engine.send(stored(A))
+            await until(lambda: hit(policy, worker, A) == 8)
+        finally:
+            await _teardown(ctx, engine, policy)
+
+    asyncio.run(main())
