@@ -199,8 +199,12 @@ def install(version: Version | None = None) -> bool:
     with _lock:
         if _installed:
             return True
-        from sglang.srt.disaggregation import kv_events
-        from sglang.srt.managers.cache_controller import HiCacheController
+        try:
+            from sglang.srt.disaggregation import kv_events
+            from sglang.srt.managers.cache_controller import HiCacheController
+        except ImportError as exc:  # SGLang itself will report this one properly
+            log.warning("kvgate L3 KV events: sglang does not import (%s); patch not applied", exc)
+            return False
 
         for name in ("_page_backup", "_storage_hit_query"):
             if not callable(getattr(HiCacheController, name, None)):

@@ -219,7 +219,10 @@ def render(argv: Sequence[str], env: Mapping[str, str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    # Flags shared by every engine of a deployment can come from the environment (compose
+    # anchors cannot concatenate lists); the command line, parsed after them, wins.
+    shared = shlex.split(os.environ.get("KVGATE_LAUNCH_ARGS", ""))
+    args = build_parser().parse_args([*shared, *(sys.argv[1:] if argv is None else argv)])
     cmd, env = build_command(args)
     if args.dry_run:
         print(render(cmd, env))

@@ -20,12 +20,16 @@ SHIMS = Path(__file__).resolve().parent / "shims"
 INSTALL_HINT = "PYTHON=<venv>/bin/python bash engine_patches/install_sglang_cpu.sh"
 
 
-def needs_shims() -> bool:
+def _real_missing() -> bool:
     return find_spec("triton") is None or find_spec("torchvision") is None
 
 
+# Decided once, before add_shims() can make the stand-ins findable.
+NEEDS_SHIMS = _real_missing()
+
+
 def add_shims() -> None:
-    if needs_shims() and str(SHIMS) not in sys.path:
+    if NEEDS_SHIMS and str(SHIMS) not in sys.path:
         sys.path.append(str(SHIMS))  # appended: a real triton/torchvision always wins
 
 
@@ -44,7 +48,7 @@ def require(module: str) -> ModuleType:
 def child_pythonpath(root: Path) -> str:
     """PYTHONPATH for a child process that imports sglang the same way."""
     parts = [str(root)]
-    if needs_shims():
+    if NEEDS_SHIMS:
         parts.append(str(SHIMS))
     if os.environ.get("PYTHONPATH"):
         parts.append(os.environ["PYTHONPATH"])

@@ -160,6 +160,6 @@ def test_run_server_passes_arguments_to_sglang_launch_server():
                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "--disaggregation-mode" in ok.stdout and "--kv-events-config" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", PATCHED_ENTRY, "--no-such-flag"],
+    bad = subprocess.run([sys.executable, "-m", PATCHED_ENTRY, "--model-path", "/m", "--no-such-flag"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert bad.returncode != 0 and "--no-such-flag" in bad.stderr
