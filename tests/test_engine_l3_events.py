@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import zmq
 
 from engine_patches import l3_events
-from tests.sglang_cpu import require
-from tests.support import free_port
+from tests.sglang_cpu import child_pythonpath, require
+from tests.support import ROOT, child_env, free_port
 from wire.hashing import page_hashes
 from wire.kv_events import BlockRemoved, BlockStored, decode_batch, unpack_seq
 
@@ -138,3 +140,25 @@ def test_prefetch_query_retracts_evicted_pages_and_credits_foreign_ones(sgl, con
     # Asking again announces nothing new: no batch at all.
     controller._storage_hit_query(cc.PrefetchOperation("r3", foreign))
     assert not subscriber.poll(300)
+
+
+def test_pip_installed_kvgate_is_loaded_by_sglangs_plugin_loader(tmp_path):
+    """SGLang 0.5.2x calls load_plugins() in every server process: an installed kvgate
+    must patch there without the run_server wrapper."""
+    require("sglang.srt.plugins")
+    site = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(ROOT)],
+        capture_output=True, text=True, timeout=180)
+    assert build.returncode == 0, build.stderr[-3000:]
+    probe = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
+             "import engine_patches; "
+             "from sglang.srt.managers.cache_controller import HiCacheController as H; "
+             "print('installed-from', engine_patches.__file__); "
+             "print('patched', hasattr(H._page_backup, '__kvgate_orig__'))")
+    env = child_env(PYTHONPATH=child_pythonpath(site).replace(str(ROOT) + os.pathsep, ""))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"installed-from {site}" in out.stdout and "patched True" in out.stdout
