@@ -32,6 +32,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCHED_ENTRY = "engine_patches.run_server"
 PLAIN_ENTRY = "sglang.launch_server"
 
+# Version knobs. Release numbers are estimated from the merge dates of the SGLang PRs:
+# the Mooncake store reads --hicache-storage-backend-extra-config since PR #10213 (Sept
+# 2025, ~0.5.3); a decode engine's offload manager passed it on as a string (crash) until
+# PR #16808 (Jan 2026, ~0.5.8). Older targets get MOONCAKE_* env only.
+MOONCAKE_EXTRA_CONFIG_SINCE: Version = (0, 5, 3)
+DECODE_EXTRA_CONFIG_SINCE: Version = (0, 5, 8)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -70,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="metadata server URL (mooncake_master --enable_http_metadata_server) or P2PHANDSHAKE")
     hc.add_argument("--global-segment-size", default="4gb", help="memory this engine lends to the store")
     hc.add_argument("--local-hostname", help="address peers reach this engine at (MOONCAKE_LOCAL_HOSTNAME)")
-    hc.add_argument("--mooncake-config", choices=("both", "env", "extra-config"), default="both",
+    hc.add_argument("--mooncake-config", choices=("auto", "both", "env", "extra-config"), default="auto",
                     help="how Mooncake settings reach SGLang: MOONCAKE_* env vars (every 0.5.x), the "
-                    "--hicache-storage-backend-extra-config JSON (newer 0.5.x), or both (default)")
+                    "--hicache-storage-backend-extra-config JSON, or both; auto = both where the "
+                    "target release reads the JSON for this role, else env")
 
     ops = p.add_argument_group("process")
     ops.add_argument("--sglang-version", help="target SGLang release (default: the installed one, else "
@@ -191,9 +199,13 @@ def build_command(
             if args.prefetch_policy:
                 argv += ["--hicache-storage-prefetch-policy", args.prefetch_policy]
             settings = mooncake_settings(args)
-            if args.mooncake_config in ("both", "extra-config"):
+            mode = args.mooncake_config
+            if mode == "auto":
+                since = DECODE_EXTRA_CONFIG_SINCE if args.role == "decode" else MOONCAKE_EXTRA_CONFIG_SINCE
+                mode = "both" if version >= since else "env"
+            if mode in ("both", "extra-config"):
                 argv += ["--hicache-storage-backend-extra-config", _json(settings)]
-            if args.mooncake_config in ("both", "env"):
+            if mode in ("both", "env"):
                 env.update({_ENV_NAMES[k]: v for k, v in settings.items()})
             if args.transport == "tcp":
                 env["MC_FORCE_TCP"] = "1"
@@ -208,7 +220,6 @@ def build_command(
         pp = _python_path(base_env)
         if pp:
             env["PYTHONPATH"] = pp
-        env["KVGATE_SGLANG_TARGET"] = fmt(version)
     return argv + extra, env
 
 
