@@ -70,8 +70,12 @@ def _pinned(cpus: str, argv: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *argv] if cpus else argv
 
 
-def _start(name: str, cpus: str, *argv: str) -> Proc:
-    return Proc(_pinned(cpus, [sys.executable, "-m", *argv]), env=child_env(), name=name)
+def _start(name: str, cpus: str, *argv: str, tree: Path | None = None) -> Proc:
+    env, flags = child_env(), []
+    if tree is not None:  # another checkout of kvgate first on the path (-P: not the cwd): before/after
+        env["PYTHONPATH"] = f"{tree}{os.pathsep}{env['PYTHONPATH']}"
+        flags = ["-P"]
+    return Proc(_pinned(cpus, [sys.executable, *flags, "-m", *argv]), env=env, name=name)
 
 
 def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
@@ -92,7 +96,8 @@ def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{proc.name} not answering at {url} after {timeout}s:\n{proc.output()[-3000:]}")
 
 
-def start_variants(names: list[str], stubs: int, cpus: str) -> tuple[list[Proc], list[Variant]]:
+def start_variants(names: list[str], stubs: int, cpus: str,
+                   kvgate_ref: Path | None = None) -> tuple[list[Proc], list[Variant]]:
     stub_procs, stub_urls = [], []
     for i in range(stubs):
         port = free_port()
@@ -107,9 +112,10 @@ def start_variants(names: list[str], stubs: int, cpus: str) -> tuple[list[Proc],
             variants.append(Variant(name, stub_urls[0], []))
             continue
         port = free_port()
-        if name == "kvgate":
+        if name in ("kvgate", "kvgate-ref"):
             proc = _start(name, cpus, "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-                          "--policy", "round_robin", "--log-level", "warning", "--worker-urls", *stub_urls)
+                          "--policy", "round_robin", "--log-level", "warning", "--worker-urls", *stub_urls,
+                          tree=kvgate_ref if name == "kvgate-ref" else None)
         elif name == "sglang-router":
             proc = _start(name, cpus, "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                           "--policy", "round_robin", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
@@ -226,6 +232,9 @@ def ratios(results, chunks: list[int]) -> list[str]:
     for n in chunks:
         ratio("aiohttp-min", "starlette-min", f"sse{n}", "rps", f"aiohttp-min / starlette-min, streams/s ({n} chunks)")
     ratio("kvgate", "direct", "rps", "rps", "kvgate / direct, non-stream req/s")
+    ratio("kvgate", "kvgate-ref", "rps", "rps", "kvgate / kvgate-ref, non-stream req/s")
+    for n in chunks:
+        ratio("kvgate", "kvgate-ref", f"sse{n}", "rps", f"kvgate / kvgate-ref, streams/s ({n} chunks)")
     return out
 
 
@@ -255,6 +264,8 @@ def write_results(section: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--kvgate-ref", type=Path, metavar="DIR",
+                   help="also run the kvgate found in DIR (e.g. `git archive main | tar -x -C DIR`) as 'kvgate-ref'")
     p.add_argument("--stubs", type=int, default=1, choices=(1, 2), help="stub backend processes behind each router")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--duration", type=float, default=4.0, help="seconds per throughput run")
@@ -278,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tests = ["rps", "lat"] + [f"sse{n}" for n in a.chunks]
     started = time.monotonic()
-    stubs, variants = start_variants(a.variants, a.stubs, a.server_cpus)
+    names = list(a.variants)
+    if a.kvgate_ref:
+        a.kvgate_ref = a.kvgate_ref.resolve()
+        if not (a.kvgate_ref / "gateway" / "app.py").exists():
+            raise SystemExit(f"{a.kvgate_ref} holds no gateway/app.py")
+        names.insert(names.index("kvgate") + 1 if "kvgate" in names else len(names), "kvgate-ref")
+    stubs, variants = start_variants(names, a.stubs, a.server_cpus, a.kvgate_ref)
     results: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {t: [] for t in tests} for v in variants}
     try:
         for v in variants:  # warm-up: connection pools, lazy imports, JIT-free but cache-warm
