@@ -65,6 +65,9 @@ class Variant:
     url: str
     procs: list[Proc]
 
+    def cpu(self) -> float:
+        return group_cpu_seconds([p.popen.pid for p in self.procs])
+
 
 def _pinned(cpus: str, argv: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *argv] if cpus else argv
@@ -109,7 +112,7 @@ def start_variants(names: list[str], stubs: int, cpus: str,
     for name in names:
         if name == "direct":
             # with two stubs the direct baseline is the first one: per-request cost is what matters
-            variants.append(Variant(name, stub_urls[0], []))
+            variants.append(Variant(name, stub_urls[0], stub_procs[:1]))
             continue
         port = free_port()
         if name in ("kvgate", "kvgate-ref"):
@@ -130,6 +133,23 @@ def start_variants(names: list[str], stubs: int, cpus: str,
         for proc in v.procs:
             _wait_post(proc, v.url)
     return stub_procs, variants
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgids: list[int]) -> float:
+    """User+system CPU of every process in these process groups (each Proc leads its own):
+    CPU per request is steadier than req/s on a machine shared with other work."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids:  # fields[0] is state: pgrp is the 5th field of stat overall
+            total += int(fields[11]) + int(fields[12])
+    return total / _TICK
 
 
 def run_load(loadgen: str, cpu: str, url: str, req_body: str, connections: int, seconds: float,
@@ -190,9 +210,12 @@ def versions() -> str:
 
 
 def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str], chunks: list[int]) -> list[str]:
-    head = ["variant", "req/s", "p50 ms", "p99 ms", "c=1 p50 µs", "c=1 p99 µs", "+p50 µs vs direct"]
+    head = ["variant", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "c=1 p50 µs", "c=1 p99 µs", "+p50 µs vs direct"]
     for n in chunks:
-        head += [f"streams/s ({n})", f"chunks/s ({n})"]
+        head += [f"streams/s ({n})", f"chunks/s ({n})", f"CPU µs/stream ({n})"]
+    sselat = [t for t in tests if t.startswith("sselat")]
+    if sselat:
+        head.append(f"c=1 stream p50 ms ({sselat[0][6:]})")
     head.append("errors")
     rows = [head]
     direct_lat = results.get("direct", {}).get("lat")
@@ -200,9 +223,10 @@ def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str
         row = [name]
         if "rps" in tests:
             rps = by_test["rps"]
-            row += [f"{median(rps, 'rps'):,.0f}", f"{median(rps, 'p50_ms'):.2f}", f"{median(rps, 'p99_ms'):.2f}"]
+            row += [f"{median(rps, 'rps'):,.0f}", f"{median(rps, 'p50_ms'):.2f}", f"{median(rps, 'p99_ms'):.2f}",
+                    f"{median(rps, 'cpu_us'):.0f}"]
         else:
-            row += ["-"] * 3
+            row += ["-"] * 4
         if "lat" in tests:
             lat = by_test["lat"]
             p50 = median(lat, "p50_ms") * 1e3
@@ -212,7 +236,10 @@ def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str
             row += ["-"] * 3
         for n in chunks:
             sse = by_test.get(f"sse{n}")
-            row += [f"{median(sse, 'rps'):,.0f}", f"{median(sse, 'eps'):,.0f}"] if sse else ["-", "-"]
+            row += ([f"{median(sse, 'rps'):,.0f}", f"{median(sse, 'eps'):,.0f}", f"{median(sse, 'cpu_us'):.0f}"]
+                    if sse else ["-"] * 3)
+        if sselat:
+            row.append(f"{median(by_test[sselat[0]], 'p50_ms'):.2f}")
         row.append(str(int(sum(r["errors"] for t in by_test.values() for r in t))))
         rows.append(row)
     return rows
@@ -226,6 +253,7 @@ def ratios(results, chunks: list[int]) -> list[str]:
             out.append(f"{label}: {median(results[a][test], key) / median(results[b][test], key):.2f}x")
 
     ratio("kvgate", "sglang-router", "rps", "rps", "kvgate / sglang-router, non-stream req/s")
+    ratio("kvgate", "sglang-router", "rps", "cpu_us", "kvgate / sglang-router, non-stream CPU per request")
     for n in chunks:
         ratio("kvgate", "sglang-router", f"sse{n}", "rps", f"kvgate / sglang-router, streams/s ({n} chunks)")
     ratio("aiohttp-min", "starlette-min", "rps", "rps", "aiohttp-min / starlette-min, non-stream req/s")
@@ -233,6 +261,7 @@ def ratios(results, chunks: list[int]) -> list[str]:
         ratio("aiohttp-min", "starlette-min", f"sse{n}", "rps", f"aiohttp-min / starlette-min, streams/s ({n} chunks)")
     ratio("kvgate", "direct", "rps", "rps", "kvgate / direct, non-stream req/s")
     ratio("kvgate", "kvgate-ref", "rps", "rps", "kvgate / kvgate-ref, non-stream req/s")
+    ratio("kvgate", "kvgate-ref", "rps", "cpu_us", "kvgate / kvgate-ref, non-stream CPU per request")
     for n in chunks:
         ratio("kvgate", "kvgate-ref", f"sse{n}", "rps", f"kvgate / kvgate-ref, streams/s ({n} chunks)")
     return out
@@ -272,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-duration", type=float, default=2.0, help="seconds per 1-connection latency run")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64], help="SSE chunks per stream, one test each")
+    p.add_argument("--tests", nargs="+", default=["rps", "lat", "sse", "sselat"],
+                   choices=["rps", "lat", "sse", "sselat"], help="sselat: one stream at a time (first --chunks)")
     p.add_argument("--loadgen", choices=("wrk", "aiohttp"), default="wrk")
     p.add_argument("--load-cpu", default="0", help="taskset CPU list for the load generator ('' = no pinning)")
     p.add_argument("--server-cpus", default="1", help="taskset CPU list for stubs and routers ('' = no pinning)")
@@ -287,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     if (a.load_cpu or a.server_cpus) and not shutil.which("taskset"):
         raise SystemExit("taskset not found; pass --load-cpu '' --server-cpus '' to run unpinned")
 
-    tests = ["rps", "lat"] + [f"sse{n}" for n in a.chunks]
+    tests = [t for t in ("rps", "lat") if t in a.tests] + [f"sse{n}" for n in a.chunks if "sse" in a.tests]
+    if "sselat" in a.tests:
+        tests.append(f"sselat{a.chunks[0]}")
     started = time.monotonic()
     names = list(a.variants)
     if a.kvgate_ref:
@@ -304,19 +337,24 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.reps):
             for test in tests:
                 for v in variants:
+                    cpu0 = v.cpu()
                     if test == "lat":
                         r = run_load(a.loadgen, a.load_cpu, v.url, body(None), 1, a.latency_duration, False)
                     elif test == "rps":
                         r = run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, a.duration, False)
                     else:
-                        n = int(test[3:])
-                        r = run_load(a.loadgen, a.load_cpu, v.url, body(n), a.concurrency, a.duration, True)
+                        n = int(test.removeprefix("sselat").removeprefix("sse"))
+                        conns, secs = (1, a.latency_duration) if test.startswith("sselat") else (a.concurrency, a.duration)
+                        r = run_load(a.loadgen, a.load_cpu, v.url, body(n), conns, secs, True)
                         if r["events"] != r["requests"] * n:
                             r["errors"] += abs(r["events"] - r["requests"] * n) // max(n, 1) or 1
+                    cpu = v.cpu() - cpu0
+                    r["cpu_us"] = cpu / r["requests"] * 1e6 if r["requests"] else 0.0
                     results[v.name][test].append(r)
                     print(f"rep {rep + 1}/{a.reps} {test:6s} {v.name:14s} {r['rps']:9,.0f}/s"
                           + (f" {r['eps']:11,.0f} chunks/s" if test.startswith("sse") else "")
-                          + f"  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  err {r['errors']}",
+                          + f"  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  CPU {r['cpu_us']:.0f} µs/req"
+                          + f"  err {r['errors']}",
                           file=sys.stderr, flush=True)
     finally:
         for v in variants:
@@ -343,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- setup: {a.stubs} stub backend process(es) (`bench/stub_backend.py`), every router round robin;"
         f" {pin}; load generator `{a.loadgen}`, {a.concurrency} connections (latency columns: 1 connection);"
         f" {a.reps} x {a.duration:g} s per test ({a.latency_duration:g} s for latency), medians;"
-        f" direct = the first stub; wall time {time.monotonic() - started:.0f} s",
+        f" direct = the first stub; CPU µs/req = user+sys CPU of the router's own process(es) per request"
+        f" (for direct: the stub's); wall time {time.monotonic() - started:.0f} s",
         *([f"- note: {a.note}"] if a.note else []),
         "",
         markdown(rows),
