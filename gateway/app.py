@@ -99,7 +99,7 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(500, "internal gateway error", code="internal_error")
-    state.metrics.requests.labels(route, str(response.status)).inc()
+    state.metrics.requests_by(route, response.status).inc()
     return response
 
 
@@ -136,11 +136,10 @@ def generation_handler(route: str):
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
         view = build_view(body, route, request.headers, request_id_from(request.headers), state.tokenizer)
-        state.metrics.queue_depth.set(state.admission.queued)
         started = time.perf_counter()
         async with state.admission.slot():
             response = await state.proxy.forward(request, view, raw)
-        state.metrics.latency.labels(route).observe(time.perf_counter() - started)
+        state.metrics.latency_of(route).observe(time.perf_counter() - started)
         return response
 
     return handle

@@ -174,7 +174,7 @@ class Proxy:
         wv = worker.view
         wv.in_flight += 1
         worker.breaker.on_attempt()
-        self.metrics.routed.labels(worker.url).inc()
+        self.metrics.routed_to(worker.url).inc()
         self.policy.on_routed(view, wv)
         outcome = Outcome(ok=False, status=0, error="cancelled")
         upstream: aiohttp.ClientResponse | None = None
@@ -236,7 +236,7 @@ class Proxy:
             "X-Request-ID": view.request_id,
         })
         await response.prepare(request)
-        self.metrics.ttft.labels(view.route).observe(time.perf_counter() - started)
+        self.metrics.ttft_of(view.route).observe(time.perf_counter() - started)
         self.policy.on_first_token(view, worker.view)
         # The last _TAIL_BYTES of the stream, kept as a list trimmed only when it has doubled:
         # re-slicing a 16 KiB tail on every chunk copied ~0.3 MB per 64-chunk stream.
