@@ -116,8 +116,9 @@ def upstream_headers(request: web.Request, request_id: str, worker: Worker) -> d
 
 
 async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView]) -> Choice:
+    """``Policy.select`` may be plain or async; a plain ``Choice`` skips ``inspect.isawaitable``."""
     choice = policy.select(view, workers)
-    if inspect.isawaitable(choice):
+    if type(choice) is not Choice and inspect.isawaitable(choice):
         choice = await choice
     return choice  # type: ignore[return-value]
 
