@@ -259,6 +259,7 @@ def ratios(results, chunks: list[int]) -> list[str]:
     ratio("aiohttp-min", "starlette-min", "rps", "rps", "aiohttp-min / starlette-min, non-stream req/s")
     for n in chunks:
         ratio("aiohttp-min", "starlette-min", f"sse{n}", "rps", f"aiohttp-min / starlette-min, streams/s ({n} chunks)")
+    ratio("kvgate", "aiohttp-min", "rps", "cpu_us", "kvgate / aiohttp-min, non-stream CPU per request")
     ratio("kvgate", "direct", "rps", "rps", "kvgate / direct, non-stream req/s")
     ratio("kvgate", "kvgate-ref", "rps", "rps", "kvgate / kvgate-ref, non-stream req/s")
     ratio("kvgate", "kvgate-ref", "rps", "cpu_us", "kvgate / kvgate-ref, non-stream CPU per request")
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the kvgate found in DIR (e.g. `git archive main | tar -x -C DIR`) as 'kvgate-ref'")
     p.add_argument("--stubs", type=int, default=1, choices=(1, 2), help="stub backend processes behind each router")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--duration", type=float, default=4.0, help="seconds per throughput run")
-    p.add_argument("--latency-duration", type=float, default=2.0, help="seconds per 1-connection latency run")
+    p.add_argument("--duration", type=float, default=3.5, help="seconds per throughput run")
+    p.add_argument("--latency-duration", type=float, default=1.5, help="seconds per 1-connection latency run")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64], help="SSE chunks per stream, one test each")
     p.add_argument("--tests", nargs="+", default=["rps", "lat", "sse", "sselat"],
