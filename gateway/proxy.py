@@ -158,8 +158,9 @@ class Proxy:
             raise GatewayError(504, f"no upstream answered within the request timeout ({', '.join(tried)})",
                                code="upstream_timeout")
         if tried:
-            last = f"; last: {last_failure[2]}" if last_failure and last_failure[2] else ""
-            raise GatewayError(502, f"all upstream attempts failed ({', '.join(tried)}){last}", code="upstream_unavailable")
+            last = self.registry.workers.get(tried[-1])
+            detail = f": {last.last_error}" if last is not None and last.last_error else ""
+            raise GatewayError(502, f"all upstream attempts failed ({', '.join(tried)}){detail}", code="upstream_unavailable")
         raise GatewayError(503, "no healthy worker available" + (f" for model {view.model!r}" if view.model else ""),
                            code="no_worker_available")
 
