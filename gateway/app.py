@@ -127,7 +127,6 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(500, "internal gateway error", code="internal_error")
-    response = normalized(response)
     state.metrics.requests.labels(route, str(response.status)).inc()
     if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
         log.debug("%s %s -> %d", request.method, route, response.status)
@@ -175,7 +174,7 @@ def generation_handler(route: str):
         async with state.admission.slot():
             response = await state.proxy.forward(request, view, raw, body)
         state.metrics.latency.labels(route).observe(time.perf_counter() - started)
-        return response
+        return normalized(response)  # an engine's error, in the gateway's shape
 
     return handle
 
