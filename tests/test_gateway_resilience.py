@@ -30,12 +30,19 @@ def assert_error(data: object, status_type: str, code: str) -> str:
     return data["error"]["message"]
 
 
-def test_hanging_worker_is_retried_before_first_byte_and_alone_gives_504(start_sim, start_gateway):
-    hang = start_sim("--time-scale", "50", "--fault-hang-rate", "1.0", name="hang")
-    good = start_sim("--time-scale", "50", name="good")
-    gw = start_gateway(hang.url, good.url, args=("--request-timeout-secs", "1", "--policy", "round_robin"))
+def sick_and_well(start_sim, start_gateway, fault: tuple[str, ...], gateway_args: tuple[str, ...]):
+    """A faulty and a healthy worker behind a round-robin gateway, and a burst through it that all succeeds."""
+    sick = start_sim("--time-scale", "50", *fault, name="sick")
+    well = start_sim("--time-scale", "50", name="well")
+    gw = start_gateway(sick.url, well.url, args=("--policy", "round_robin", *gateway_args))
     results = burst(gw.url)
     assert [s for s, _, _ in results] == [200] * 8, results
+    return sick, well, gw, results
+
+
+def test_hanging_worker_is_retried_before_first_byte_and_alone_gives_504(start_sim, start_gateway):
+    hang, good, gw, results = sick_and_well(start_sim, start_gateway, ("--fault-hang-rate", "1.0"),
+                                            ("--request-timeout-secs", "1"))
     assert any(t >= 1.0 for _, _, t in results)  # some went to the hanging worker first
     m = get_text(gw.url + "/metrics")
     assert metric_value(m, "kvgate_upstream_errors_total", worker=hang.url, kind="timeout") >= 1
@@ -53,11 +60,8 @@ def test_hanging_worker_is_retried_before_first_byte_and_alone_gives_504(start_s
 
 
 def test_slow_worker_delays_only_its_own_requests(start_sim, start_gateway):
-    slow = start_sim("--time-scale", "50", "--fault-latency-ms", "1500", name="slow")
-    fast = start_sim("--time-scale", "50", name="fast")
-    gw = start_gateway(slow.url, fast.url, args=("--request-timeout-secs", "5", "--policy", "round_robin"))
-    results = burst(gw.url)
-    assert [s for s, _, _ in results] == [200] * 8, results
+    _, _, gw, results = sick_and_well(start_sim, start_gateway, ("--fault-latency-ms", "1500"),
+                                      ("--request-timeout-secs", "5"))
     times = sorted(t for _, _, t in results)
     assert times[3] < 1.0 and times[4] >= 1.5, times  # half waited for the slow worker, half did not
     m = get_text(gw.url + "/metrics")
