@@ -19,8 +19,13 @@ from gateway import __version__
 from gateway.admission import Admission
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
+from gateway.drain import Drain
+from gateway.error_shape import normalized
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_json
+from gateway.process_metrics import ProcessCollector
+from gateway.ratelimit import RateLimiter, rate_limit_middleware
 from gateway.pd import PDProxy, pd_policies
 from gateway.proxy import Proxy
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, parse_body, request_id_from
@@ -53,13 +58,18 @@ class GatewayState:
         self.policies: dict[str, Policy] = {"unified": self.policy}
         if cfg.pd_disaggregation:
             self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
-        self.draining = False
+        self.drain = Drain(OPEN_PATHS)
         self.session = None  # created on startup, inside the running loop
         self.registry: WorkerRegistry
         self.proxy: Proxy
 
+    @property
+    def draining(self) -> bool:
+        return self.drain.draining
+
     async def start(self) -> None:
         cfg = self.cfg
+        self.metrics.registry.register(ProcessCollector(asyncio.get_running_loop()))
         self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
                                     limit_per_host=cfg.max_connections_per_worker)
         self.registry = WorkerRegistry(cfg, self.session)
@@ -101,14 +111,16 @@ class GatewayState:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Auth, then the handler; any error becomes an OpenAI-style body and every answer is counted.
+    """Auth, drain accounting, then the handler; any error becomes an OpenAI-style body and every answer is counted.
 
     One middleware, not two: each layer is another coroutine frame resumed at every await
     of the handler (bench/RESULTS.md)."""
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     state: GatewayState = request.app[STATE]
+    counted = False
     try:
         check_auth(request, state.cfg)
+        counted = state.drain.enter(request.path)
         response = await handler(request)
     except GatewayError as exc:
         response = from_exception(exc)
@@ -122,7 +134,12 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(500, "internal gateway error", code="internal_error")
+    finally:
+        if counted:
+            state.drain.leave()
     state.metrics.requests_by(route, response.status).inc()
+    if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
+        log.debug("%s %s -> %d", request.method, route, response.status)
     return response
 
 
@@ -132,9 +149,15 @@ def check_auth(request: web.Request, cfg: GatewayConfig) -> None:
         return
     admin = path.startswith(ADMIN_PATHS)
     keys = (cfg.admin_api_keys or cfg.api_keys) if admin else cfg.api_keys
-    if keys and not key_matches(bearer_token(request.headers.get("Authorization")), keys):
-        raise GatewayError(401, "invalid or missing API key", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+    if not keys:
+        return
+    presented = bearer_token(request.headers.get("Authorization"))
+    if key_matches(presented, keys):
+        return
+    if admin and cfg.admin_api_keys and key_matches(presented, cfg.api_keys):
+        raise GatewayError(403, "this API key may not call admin routes", code="admin_key_required")
+    raise GatewayError(401, "invalid or missing API key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 # --- data routes ----------------------------------------------------------------------------
@@ -148,8 +171,6 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 def generation_handler(route: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         state: GatewayState = request.app[STATE]
-        if state.draining:
-            raise GatewayError(503, "gateway is shutting down", code="shutting_down")
         raw = await _read_body(request, state.cfg.max_payload_size)
         body = parse_body(raw, route)
         if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
@@ -160,7 +181,7 @@ def generation_handler(route: str):
         async with state.admission.slot():
             response = await state.proxy.forward(request, view, raw, body)
         state.metrics.latency_of(route).observe(time.perf_counter() - started)
-        return response
+        return normalized(response)  # an engine's error, in the gateway's shape
 
     return handle
 
@@ -283,15 +304,19 @@ async def flush_cache(request: web.Request) -> web.Response:
 # --- assembly -------------------------------------------------------------------------------
 
 def build_app(cfg: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_payload_size)
     state = GatewayState(cfg)
+    middlewares = [error_middleware]
+    if cfg.rate_limit_rps > 0:
+        limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps)
+        middlewares.append(rate_limit_middleware(limiter, bool(cfg.api_keys), OPEN_PATHS))
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_payload_size)
     app[STATE] = state
 
     async def on_startup(_app: web.Application) -> None:
         await state.start()
 
     async def on_shutdown(_app: web.Application) -> None:
-        state.draining = True
+        state.drain.draining = True
 
     async def on_cleanup(_app: web.Application) -> None:
         await state.stop()
@@ -310,6 +335,7 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     r.add_get("/liveness", health)
     r.add_get("/readiness", readiness)
     r.add_get("/metrics", metrics)
+    r.add_get("/openapi.json", openapi_json)
     r.add_get("/workers", list_workers)
     r.add_post("/workers", add_worker)
     r.add_delete("/workers", remove_worker)
