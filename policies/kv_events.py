@@ -28,7 +28,7 @@ def precise_index(options: Mapping[str, object], owner: str) -> tuple[PreciseOrA
                          speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)))
     feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
                        replay_timeout_s=float(options.get("replay_timeout_s", 2.0)))
-    return PreciseOrApprox(precise, make_radix(options, key="text"), owner), feed
+    return PreciseOrApprox(precise, make_radix(options, key="text"), owner, fed=feed.feeds_any), feed
 
 
 class KvEvents(CacheAware):
