@@ -16,8 +16,10 @@ Parent links are kept for each stored block so a worker's chains can be read bac
 a sign of lost events).
 
 Speculative entries cover the time between routing a request and the engine's
-``BlockStored`` arriving: ``record`` marks the request's pages as on the worker's GPU for
-``speculative_ttl_s`` seconds.
+``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
+known to hold as on its GPU for ``speculative_ttl_s`` seconds; the walk ORs them in. The
+page-hash chain of a prompt is computed once per request and resumed from earlier turns
+(``policies.page_hash_cache``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ handled explicitly:
   little, routing on blocks that are gone costs a full re-prefill;
 * the first message after connecting replays from seq 0, so whatever the publisher still
   buffers from before we joined is not lost.
+
+With ``dp_size`` > 1 the engine opens one publisher per DP rank (consecutive ports); all
+ranks feed the one worker entry the gateway routes to, so a clear on any rank clears the
+worker (conservative: it under-predicts until the ranks re-report).
 """
 
 from __future__ import annotations
