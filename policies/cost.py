@@ -12,8 +12,10 @@ Queued prefill work is booked when a request is routed (``on_routed``), moves to
 decode count at its first token and is freed at completion, so a burst of requests sees
 the work its predecessors just queued. A hit in a slower tier is worth
 ``1 - prefill_speed / load_speed`` of a GPU hit, which is where the tier credits come from.
-The index is the approximate text tree by default, or the precise KV-event index with
-``index=precise`` (falling back to text for requests without token ids).
+``index``: ``auto`` (default) matches on the precise KV-event index where the request has
+token ids and the workers publish KV events, else on the approximate text tree, which
+learns from every decision either way; ``precise`` is the same but warns when it has to
+fall back; ``approx`` is the approximate tree alone (no ZMQ subscriptions).
 
 ``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
 minimum, which spreads near-equal choices and keeps the index from tunnelling.
@@ -38,7 +40,7 @@ class Cost(Policy):
 
     def __init__(self, prefill_tokens_per_s: float = 10_000.0, host_load_tokens_per_s: float = 100_000.0,
                  pool_load_tokens_per_s: float = 25_000.0, decode_cost_s: float = 0.0002,
-                 temperature: float = 0.0, seed: int | None = None, index: str | PrefixIndex = "approx",
+                 temperature: float = 0.0, seed: int | None = None, index: str | PrefixIndex = "auto",
                  **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
@@ -48,14 +50,14 @@ class Cost(Policy):
         self.temperature = float(temperature)
         self._rng = random.Random(None if seed is None else int(seed))
         self.feed: KvEventFeed | None = None
-        if index == "precise":
+        if index in ("precise", "auto"):
             from policies.kv_events import precise_index
 
-            self.index, self.feed = precise_index(options, self.name)
+            self.index, self.feed = precise_index(options, self.name, quiet=index == "auto")
         elif index == "approx":
             self.index = make_radix(options)
         elif isinstance(index, str):
-            raise ValueError(f"cost: index must be 'approx' or 'precise', not {index!r}")
+            raise ValueError(f"cost: index must be 'auto', 'precise' or 'approx', not {index!r}")
         else:
             self.index = index
         self.verifier = make_verifier(self.name, options)

@@ -24,13 +24,14 @@ class PreciseOrApprox:
     unit: Unit = "tokens"
 
     def __init__(self, precise: BlockIndex, approx: RadixIndex, owner: str = "policy",
-                 fed: Callable[[Sequence[WorkerView]], bool] | None = None) -> None:
+                 fed: Callable[[Sequence[WorkerView]], bool] | None = None, quiet: bool = False) -> None:
         self.precise = precise
         self.approx = approx
         self.owner = owner
         self.fed = fed  # whether KV events describe any of these workers
         self.fallbacks = 0
         self.fallbacks_no_events = 0
+        self._no_events_level = logging.INFO if quiet else logging.WARNING
 
     def usable(self, request: RequestView) -> bool:
         return self.precise.usable(request) or self.approx.usable(request)
@@ -40,8 +41,9 @@ class PreciseOrApprox:
             if self.fed is None or self.fed(workers):
                 return self.precise.match(request, workers)
             if not self.fallbacks_no_events:
-                log.warning("%s: none of the candidate workers publishes KV events, matching with the "
-                            "approximate index (counted as fallback_no_events_total)", self.owner)
+                log.log(self._no_events_level, "%s: none of the candidate workers publishes KV events, "
+                        "matching with the approximate index (counted as fallback_no_events_total)",
+                        self.owner)
             self.fallbacks_no_events += 1
         elif not self.fallbacks - self.fallbacks_no_events:
             log.warning("%s: request without token ids, matching on text with the approximate index "

@@ -22,13 +22,15 @@ from policies.fallback_index import PreciseOrApprox
 from policies.kv_feed import KvEventFeed, parse_endpoints
 
 
-def precise_index(options: Mapping[str, object], owner: str) -> tuple[PreciseOrApprox, KvEventFeed]:
-    """The precise index with its text fallback and the feed that keeps it current."""
+def precise_index(options: Mapping[str, object], owner: str,
+                  quiet: bool = False) -> tuple[PreciseOrApprox, KvEventFeed]:
+    """The precise index with its text fallback and the feed that keeps it current
+    (``quiet``: a fleet without KV events is expected, say so at INFO only)."""
     precise = BlockIndex(default_page_size=int(options.get("page_size", 1)),
                          speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)))
     feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
-                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)))
-    return PreciseOrApprox(precise, make_radix(options, key="text"), owner, fed=feed.feeds_any), feed
+                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)), quiet=quiet)
+    return PreciseOrApprox(precise, make_radix(options, key="text"), owner, fed=feed.feeds_any, quiet=quiet), feed
 
 
 class KvEvents(CacheAware):

@@ -84,7 +84,7 @@ class KvEventFeed:
     """Runs the subscribers; ``add``/``remove`` follow the fleet, ``start``/``stop`` the loop."""
 
     def __init__(self, index: BlockIndex, override: Mapping[str, object] | None = None,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, quiet: bool = False) -> None:
         self.index = index
         self.override = dict(override or {})
         self.replay_timeout_s = float(replay_timeout_s)
@@ -94,6 +94,7 @@ class KvEventFeed:
         self._waiting: set[str] = set()  # known workers whose server_info named no publisher yet
         self._warned: set[str] = set()
         self._recheck_at = 0.0
+        self._missing_level = logging.INFO if quiet else logging.WARNING  # quiet: events are optional
         self.counters = dict.fromkeys(
             ("messages", "gaps", "replayed", "unrecoverable", "restarts", "disconnects", "decode_errors"), 0)
 
@@ -114,9 +115,9 @@ class KvEventFeed:
         if not pubs:
             if worker.url not in self._warned:
                 self._warned.add(worker.url)
-                log.warning("worker %s names no KV event publisher (no server_info.kv_events, no "
-                            "kv_endpoints option): the precise index cannot match it until it does",
-                            worker.url)
+                log.log(self._missing_level, "worker %s names no KV event publisher (no "
+                        "server_info.kv_events, no kv_endpoints option): the precise index cannot "
+                        "match it until it does", worker.url)
             return
         self._waiting.discard(worker.url)
         if "page_size" in worker.server_info:

@@ -50,10 +50,10 @@ def _run(*args: str) -> tuple[list[tuple[int, int]], dict[str, float]]:
 
 @pytest.mark.parametrize("args", [
     ("--policy", "kv_events", "--kv-events"),
-    ("--policy", "cost", "--kv-events", "--policy-option", "index=precise"),
+    ("--policy", "cost", "--kv-events"),  # index=auto: precise, since the workers publish
     ("--policy", "cache_aware"),
-    ("--policy", "cost"),
-], ids=["kv_events", "cost-precise", "cache_aware", "cost-approx"])
+    ("--policy", "cost"),  # index=auto without events: the approximate tree
+], ids=["kv_events", "cost-events", "cache_aware", "cost-no-events"])
 def test_follow_up_turns_hit_and_predictions_match_the_engine(args):
     usage, stats = _run(*args)
     assert all(cached > 0 for turn, cached in usage if turn > 0), usage
