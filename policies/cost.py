@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
 from policies.kv_feed import KvEventFeed
+from policies.tree_budget import TreeBudget
 from policies.prefix_index import IndexMatch, PrefixIndex
 
 
@@ -55,12 +56,13 @@ class Cost(Policy):
         self.temperature = float(temperature)
         self._rng = random.Random(None if seed is None else int(seed))
         self.feed: KvEventFeed | None = None
+        self.budget: TreeBudget | None = None  # set when the policy built its own tree
         if index in ("precise", "auto"):
             from policies.kv_events import precise_index
 
-            self.index, self.feed = precise_index(options, self.name, quiet=index == "auto")
+            self.index, self.feed, self.budget = precise_index(options, self.name, quiet=index == "auto")
         elif index == "approx":
-            self.index = make_radix(options)
+            self.index, self.budget = make_radix(options)
         elif isinstance(index, str):
             raise ValueError(f"cost: index must be 'auto', 'precise' or 'approx', not {index!r}")
         else:
@@ -108,6 +110,8 @@ class Cost(Policy):
         require_workers(workers)
         if self.feed is not None:
             self.feed.follow(workers)
+        if self.budget is not None:
+            self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
         costs = self.predict(request, workers, match)
         if self.temperature > 0 and len(workers) > 1:
@@ -151,6 +155,8 @@ class Cost(Policy):
             else:
                 self._decoding[entry[0]] = max(self._decoding.get(entry[0], 0) - 1, 0)
         self.verifier.complete(request.request_id, outcome)
+        if self.budget is not None:
+            self.budget.learn(request, outcome)
 
     def _unqueue(self, entry: list) -> None:
         url, tokens = entry[0], entry[1]
@@ -179,6 +185,8 @@ class Cost(Policy):
     def stats(self) -> Mapping[str, float]:
         out = dict(self.index.stats())
         out.update(self.verifier.stats())
+        if self.budget is not None:
+            out.update(self.budget.stats())
         out["queued_prefill_tokens"] = sum(self._queued.values())
         out["decoding_requests"] = float(sum(self._decoding.values()))
         if self.feed is not None:
