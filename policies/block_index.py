@@ -33,7 +33,7 @@ from operator import and_, attrgetter, or_
 from policies.base import RequestView, WorkerView
 from policies.prefix_index import IndexMatch, Tiers, Unit
 from policies.page_hash_cache import PageHashCache
-from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
 
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
@@ -146,9 +146,24 @@ class BlockIndex:
         return len(self._owned[s]) if s is not None else 0
 
     # -- events -------------------------------------------------------------------------
-    def apply(self, url: str, event: Event) -> None:
+    def apply_batch(self, url: str, events: Sequence[Event | BlockStoredRef]) -> None:
+        """A decoded batch, with the per-event work kept to a dict lookup for the medium."""
+        stored, removed, tiers = (BlockStored, BlockStoredRef), BlockRemoved, TIER_OF_MEDIUM
+        for event in events:
+            if isinstance(event, stored):
+                tier = tiers.get(event.medium or "GPU")
+                self.store(url, event.block_hashes, event.parent_block_hash,
+                           medium_tier(event.medium) if tier is None else tier)
+            elif isinstance(event, removed):
+                tier = tiers.get(event.medium or "GPU")
+                self.remove(url, event.block_hashes, medium_tier(event.medium) if tier is None else tier)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_worker(url)
+        self.events_applied += len(events)
+
+    def apply(self, url: str, event: Event | BlockStoredRef) -> None:
         self.events_applied += 1
-        if isinstance(event, BlockStored):
+        if isinstance(event, (BlockStored, BlockStoredRef)):
             self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium))
         elif isinstance(event, BlockRemoved):
             self.remove(url, event.block_hashes, medium_tier(event.medium))

@@ -173,13 +173,12 @@ class KvEventFeed:
     # -- one publisher ------------------------------------------------------------------
     def _apply(self, url: str, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, tokens=False)  # the index needs hashes, not token ids
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.counters["decode_errors"] += 1
             log.warning("undecodable KV event batch from %s: %s", url, e)
             return
-        for event in batch.events:
-            self.index.apply(url, event)
+        self.index.apply_batch(url, batch.events)
 
     async def _run(self, pub: Publisher) -> None:
         """Keep one subscription alive: an unexpected error drops what the worker's state was

@@ -176,3 +176,17 @@ def test_speculative_pages_extend_reported_ones():
     index.record(request, WORKERS[0])
     assert len(index._spec) == 2  # only the two new pages
     assert index.match(req(follow_up + [9], rid="g"), WORKERS).hits[URLS[0]].gpu == 12
+
+
+def test_batches_decoded_without_token_ids_apply_like_full_ones():
+    from wire.kv_events import BlockStoredRef, EventBatch, decode_batch, encode_batch
+
+    tokens = list(range(8))
+    events = [BlockStored(page_hashes(tokens, PS), None, tokens, PS, None, "cpu_pinned"),
+              BlockRemoved(page_hashes(tokens, PS)[1:], "CPU_PINNED")]
+    for legacy in (False, True):
+        batch = decode_batch(encode_batch(EventBatch(1.0, events), legacy_arrays=legacy), tokens=False)
+        assert isinstance(batch.events[0], BlockStoredRef if not legacy else BlockStored)
+        index = BlockIndex()
+        index.apply_batch(URLS[0], batch.events)
+        assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 2, 0)
