@@ -101,10 +101,14 @@ class BlockIndex:
         self._version += 1
 
     def page_size_of(self, worker: WorkerView) -> int:
+        """The engine's page size: from its events' ``block_size``, else ``server_info``, else
+        the default (not remembered, so a later server_info or event still wins)."""
         ps = self._page_size.get(worker.url)
         if ps is None:
-            ps = int(worker.server_info.get("page_size") or self.default_page_size)
-            self._page_size[worker.url] = ps
+            reported = worker.server_info.get("page_size")
+            if not reported:
+                return self.default_page_size
+            ps = self._page_size[worker.url] = int(reported)
             self._version += 1
         return ps
 
@@ -153,7 +157,7 @@ class BlockIndex:
             if isinstance(event, stored):
                 tier = tiers.get(event.medium or "GPU")
                 self.store(url, event.block_hashes, event.parent_block_hash,
-                           medium_tier(event.medium) if tier is None else tier)
+                           medium_tier(event.medium) if tier is None else tier, event.block_size)
             elif isinstance(event, removed):
                 tier = tiers.get(event.medium or "GPU")
                 self.remove(url, event.block_hashes, medium_tier(event.medium) if tier is None else tier)
@@ -164,13 +168,17 @@ class BlockIndex:
     def apply(self, url: str, event: Event | BlockStoredRef) -> None:
         self.events_applied += 1
         if isinstance(event, (BlockStored, BlockStoredRef)):
-            self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium))
+            self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium),
+                       event.block_size)
         elif isinstance(event, BlockRemoved):
             self.remove(url, event.block_hashes, medium_tier(event.medium))
         elif isinstance(event, AllBlocksCleared):
             self.clear_worker(url)
 
-    def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0) -> None:
+    def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0,
+              block_size: int | None = None) -> None:
+        if block_size and self._page_size.get(url) != block_size:  # the engine's own word
+            self.set_page_size(url, block_size)
         s = self.slot(url)
         shift = 3 * s
         keep = ~(7 << shift)

@@ -190,3 +190,13 @@ def test_batches_decoded_without_token_ids_apply_like_full_ones():
         index = BlockIndex()
         index.apply_batch(URLS[0], batch.events)
         assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 2, 0)
+
+
+def test_page_size_comes_from_the_events_when_server_info_lacks_it():
+    index = BlockIndex(default_page_size=1)
+    worker = WorkerView(URLS[0])  # discovery has not filled server_info yet
+    tokens = list(range(16))
+    assert index.page_size_of(worker) == 1
+    index.apply(URLS[0], BlockStored(page_hashes(tokens, 8), None, tokens, 8))
+    assert index.page_size_of(worker) == 8
+    assert index.match(req(tokens), [worker]).hits[URLS[0]].gpu == 16
