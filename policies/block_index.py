@@ -16,8 +16,10 @@ Parent links are kept for each stored block so a worker's chains can be read bac
 a sign of lost events).
 
 Speculative entries cover the time between routing a request and the engine's
-``BlockStored`` arriving: ``record`` marks the request's pages as on the worker's GPU for
-``speculative_ttl_s`` seconds.
+``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
+known to hold as on its GPU for ``speculative_ttl_s`` seconds; the walk ORs them in. The
+page-hash chain of a prompt is computed once per request and resumed from earlier turns
+(``policies.page_hash_cache``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from operator import and_, attrgetter, or_
 from policies.base import RequestView, WorkerView
 from policies.prefix_index import IndexMatch, Tiers, Unit
 from policies.page_hash_cache import PageHashCache
-from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
 
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
@@ -99,10 +101,14 @@ class BlockIndex:
         self._version += 1
 
     def page_size_of(self, worker: WorkerView) -> int:
+        """The engine's page size: from its events' ``block_size``, else ``server_info``, else
+        the default (not remembered, so a later server_info or event still wins)."""
         ps = self._page_size.get(worker.url)
         if ps is None:
-            ps = int(worker.server_info.get("page_size") or self.default_page_size)
-            self._page_size[worker.url] = ps
+            reported = worker.server_info.get("page_size")
+            if not reported:
+                return self.default_page_size
+            ps = self._page_size[worker.url] = int(reported)
             self._version += 1
         return ps
 
@@ -144,16 +150,35 @@ class BlockIndex:
         return len(self._owned[s]) if s is not None else 0
 
     # -- events -------------------------------------------------------------------------
-    def apply(self, url: str, event: Event) -> None:
+    def apply_batch(self, url: str, events: Sequence[Event | BlockStoredRef]) -> None:
+        """A decoded batch, with the per-event work kept to a dict lookup for the medium."""
+        stored, removed, tiers = (BlockStored, BlockStoredRef), BlockRemoved, TIER_OF_MEDIUM
+        for event in events:
+            if isinstance(event, stored):
+                tier = tiers.get(event.medium or "GPU")
+                self.store(url, event.block_hashes, event.parent_block_hash,
+                           medium_tier(event.medium) if tier is None else tier, event.block_size)
+            elif isinstance(event, removed):
+                tier = tiers.get(event.medium or "GPU")
+                self.remove(url, event.block_hashes, medium_tier(event.medium) if tier is None else tier)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_worker(url)
+        self.events_applied += len(events)
+
+    def apply(self, url: str, event: Event | BlockStoredRef) -> None:
         self.events_applied += 1
-        if isinstance(event, BlockStored):
-            self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium))
+        if isinstance(event, (BlockStored, BlockStoredRef)):
+            self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium),
+                       event.block_size)
         elif isinstance(event, BlockRemoved):
             self.remove(url, event.block_hashes, medium_tier(event.medium))
         elif isinstance(event, AllBlocksCleared):
             self.clear_worker(url)
 
-    def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0) -> None:
+    def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0,
+              block_size: int | None = None) -> None:
+        if block_size and self._page_size.get(url) != block_size:  # the engine's own word
+            self.set_page_size(url, block_size)
         s = self.slot(url)
         shift = 3 * s
         keep = ~(7 << shift)

@@ -34,6 +34,7 @@ from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, requ
 from policies.hit_verification import HitVerifier
 from policies.prefix_index import IndexMatch, PrefixIndex
 from policies.radix_index import RadixIndex
+from policies.tree_budget import TreeBudget
 
 log = logging.getLogger("kvgate.policies")
 _in_flight = attrgetter("in_flight")
@@ -53,20 +54,18 @@ LOADS = {"in_flight": in_flight, "engine": engine_queue}
 
 def make_verifier(name: str, options: Mapping[str, object]) -> HitVerifier:
     return HitVerifier(
-        window=int(options.get("drift_window", 64)),
-        min_samples=int(options.get("drift_min_samples", 16)),
-        degrade_above=float(options.get("drift_degrade_above", 0.5)),
-        recover_below=float(options.get("drift_recover_below", 0.25)),
+        window=int(options.get("drift_window", 128)),
+        min_samples=int(options.get("drift_min_samples", 32)),
+        degrade_above=float(options.get("drift_degrade_above", 0.85)),
+        recover_below=float(options.get("drift_recover_below", 0.6)),
         name=name,
     )
 
 
-def make_radix(options: Mapping[str, object], key: str | None = None) -> RadixIndex:
-    return RadixIndex(
-        max_units=int(options.get("max_tree_size", 1 << 24)),
-        key=key or str(options.get("key", "auto")),
-        max_age_s=float(options.get("max_age_s", 0.0)),
-    )
+def make_radix(options: Mapping[str, object], key: str | None = None) -> tuple[RadixIndex, TreeBudget]:
+    """The approximate tree from policy options, with the budget that sizes it."""
+    tree = RadixIndex(key=key or str(options.get("key", "auto")), max_age_s=float(options.get("max_age_s", 0.0)))
+    return tree, TreeBudget(tree, options.get("max_tree_size", "auto"))
 
 
 class CacheAware(Policy):
@@ -87,7 +86,10 @@ class CacheAware(Policy):
         self._loads = LOADS[load]
         if isinstance(index, str):
             raise ValueError("cache_aware keeps its own approximate index; the precise one is policy kv_events")
-        self.index: PrefixIndex = index if index is not None else make_radix(options)
+        self.budget: TreeBudget | None = None  # set when the policy built its own tree
+        if index is None:
+            index, self.budget = make_radix(options)
+        self.index: PrefixIndex = index
         self.verifier = make_verifier(self.name, options)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
@@ -123,6 +125,8 @@ class CacheAware(Policy):
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)
+        if self.budget is not None:
+            self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
         chosen, reason = self.decide(request, workers, match)
         self.decisions[reason] += 1
@@ -135,6 +139,8 @@ class CacheAware(Policy):
     # -- hooks --------------------------------------------------------------------------
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self.verifier.complete(request.request_id, outcome)
+        if self.budget is not None:
+            self.budget.learn(request, outcome)
 
     def on_worker_removed(self, worker: WorkerView) -> None:
         self.index.remove_worker(worker.url)
@@ -161,6 +167,8 @@ class CacheAware(Policy):
     def stats(self) -> Mapping[str, float]:
         out = dict(self.index.stats())
         out.update(self.verifier.stats())
+        if self.budget is not None:
+            out.update(self.budget.stats())
         for reason in ("prefix", "miss", "imbalanced", "degraded"):
             out[f"decisions_{reason}_total"] = float(self.decisions[reason])
         return out

@@ -176,3 +176,27 @@ def test_speculative_pages_extend_reported_ones():
     index.record(request, WORKERS[0])
     assert len(index._spec) == 2  # only the two new pages
     assert index.match(req(follow_up + [9], rid="g"), WORKERS).hits[URLS[0]].gpu == 12
+
+
+def test_batches_decoded_without_token_ids_apply_like_full_ones():
+    from wire.kv_events import BlockStoredRef, EventBatch, decode_batch, encode_batch
+
+    tokens = list(range(8))
+    events = [BlockStored(page_hashes(tokens, PS), None, tokens, PS, None, "cpu_pinned"),
+              BlockRemoved(page_hashes(tokens, PS)[1:], "CPU_PINNED")]
+    for legacy in (False, True):
+        batch = decode_batch(encode_batch(EventBatch(1.0, events), legacy_arrays=legacy), tokens=False)
+        assert isinstance(batch.events[0], BlockStoredRef if not legacy else BlockStored)
+        index = BlockIndex()
+        index.apply_batch(URLS[0], batch.events)
+        assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 2, 0)
+
+
+def test_page_size_comes_from_the_events_when_server_info_lacks_it():
+    index = BlockIndex(default_page_size=1)
+    worker = WorkerView(URLS[0])  # discovery has not filled server_info yet
+    tokens = list(range(16))
+    assert index.page_size_of(worker) == 1
+    index.apply(URLS[0], BlockStored(page_hashes(tokens, 8), None, tokens, 8))
+    assert index.page_size_of(worker) == 8
+    assert index.match(req(tokens), [worker]).hits[URLS[0]].gpu == 16
