@@ -131,7 +131,9 @@ def after_hit_query(controller: Any, operation: Any, hits: Sequence[str]) -> Non
     if fresh:
         # Announce the hit prefix from the first page this process had not announced.
         start = next(i for i, h in enumerate(hits) if h in fresh)
-        parent = hits[start - 1] if start else getattr(operation, "last_hash", None)
+        prefix = getattr(operation, "prefix_keys", None)
+        parent = hits[start - 1] if start else (
+            getattr(operation, "last_hash", None) or (prefix[-1] if prefix else None))
         tokens = _tokens(operation.token_ids)[start * page:]
         events.append(_stored(hits[start:], tokens, parent, page))
     if queried is not None:

@@ -162,3 +162,20 @@ def test_pip_installed_kvgate_is_loaded_by_sglangs_plugin_loader(tmp_path):
                          timeout=180, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"installed-from {site}" in out.stdout and "patched True" in out.stdout
+
+
+def test_spawned_sglang_children_reimport_the_wrapper_and_are_patched():
+    """SGLang starts schedulers with multiprocessing's spawn; a child re-imports the parent's
+    ``-m`` module as ``__mp_main__`` (multiprocessing.spawn._fixup_main_from_name). Doing
+    exactly that must patch the child and must not start a second server."""
+    require("sglang.srt.managers.cache_controller")
+    probe = ("import multiprocessing.spawn as spawn, sys; "
+             "spawn._fixup_main_from_name('engine_patches.run_server'); "
+             "from sglang.srt.managers.cache_controller import HiCacheController as H; "
+             "print('main', sys.modules['__main__'].__name__); "
+             "print('patched', hasattr(H._page_backup, '__kvgate_orig__'))")
+    env = child_env(PYTHONPATH=child_pythonpath(ROOT))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "main __mp_main__" in out.stdout and "patched True" in out.stdout
