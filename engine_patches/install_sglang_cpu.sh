@@ -3,8 +3,8 @@
 #
 #   PYTHON=.venv/bin/python bash engine_patches/install_sglang_cpu.sh
 #
-# Measured on the 2-core dev box (pip cache warm, fresh venv): 111 s, 1.5 GB. That is why
-# CI does not run it by default; the tests that need it skip with this command as reason.
+# Measured on the 2-core dev box (pip cache warm, fresh venv): 111 s, 1.5 GB. `scripts/setup.sh
+# --test` (and so CI) runs it; without it the tests that need it skip with this command as reason.
 #
 # The sglang wheel pins a CUDA torch and CUDA kernel packages; none of those can run here,
 # and together they are ~10 GB. So: sglang with --no-deps, a CPU torch, and only the small
