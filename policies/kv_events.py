@@ -28,7 +28,8 @@ def precise_index(options: Mapping[str, object], owner: str,
     """The precise index with its text fallback and the feed that keeps it current
     (``quiet``: a fleet without KV events is expected, say so at INFO only)."""
     precise = BlockIndex(default_page_size=int(options.get("page_size", 1)),
-                         speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)))
+                         speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)),
+                         shared_pool=bool(options.get("shared_pool", True)))
     feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
                        replay_timeout_s=float(options.get("replay_timeout_s", 2.0)), quiet=quiet)
     tree, budget = make_radix(options, key="text")

@@ -45,7 +45,7 @@ ops = st.lists(
 @settings(max_examples=250, deadline=None)
 @given(ops, st.lists(seqs, min_size=1, max_size=5))
 def test_match_equals_naive_chains(operations, queries):
-    index = BlockIndex(speculative_ttl_s=0)
+    index = BlockIndex(speculative_ttl_s=0, shared_pool=False)  # the naive model keeps pools per worker
     held: dict[str, set[tuple[int, int]]] = {u: set() for u in URLS}
     for op, url, tokens, tier in operations:
         hashes = page_hashes(tokens, PS)
