@@ -259,9 +259,7 @@ class Engine:
             if n >= sent + interval or (n > sent and sent == 0):  # the first token goes out at once
                 sent = n
                 yield n
-            # shielded: the tick future is shared, and a disconnecting client's cancelled
-            # handler would otherwise cancel it for every other stream on this rank
-            await asyncio.shield(sched.tick())
+            await sched.tick()
 
     def _on_finish(self, req: Req) -> None:
         now = time.monotonic()
