@@ -25,7 +25,7 @@ from gateway.errors import GatewayError, error_response, from_exception
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_json
 from gateway.process_metrics import ProcessCollector
-from gateway.ratelimit import RateLimiter, rate_limit_middleware
+from gateway.ratelimit import RateLimiter, check_rate
 from gateway.pd import PDProxy, pd_policies
 from gateway.proxy import Proxy
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, parse_body, request_id_from
@@ -59,6 +59,8 @@ class GatewayState:
         if cfg.pd_disaggregation:
             self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
         self.drain = Drain(OPEN_PATHS)
+        self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps) \
+            if cfg.rate_limit_rps > 0 else None
         self.session = None  # created on startup, inside the running loop
         self.registry: WorkerRegistry
         self.proxy: Proxy
@@ -111,7 +113,8 @@ class GatewayState:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Auth, drain accounting, then the handler; any error becomes an OpenAI-style body and every answer is counted.
+    """Auth, drain accounting, rate limit, then the handler; any error becomes an OpenAI-style body and every
+    answer is counted.
 
     One middleware, not two: each layer is another coroutine frame resumed at every await
     of the handler (bench/RESULTS.md)."""
@@ -121,6 +124,8 @@ async def error_middleware(request: web.Request, handler):
     try:
         check_auth(request, state.cfg)
         counted = state.drain.enter(request.path)
+        if counted and state.limiter is not None:  # after auth: a bad key never gets a bucket
+            check_rate(state.limiter, request, bool(state.cfg.api_keys))
         response = await handler(request)
     except GatewayError as exc:
         response = from_exception(exc)
@@ -305,11 +310,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 def build_app(cfg: GatewayConfig) -> web.Application:
     state = GatewayState(cfg)
-    middlewares = [error_middleware]
-    if cfg.rate_limit_rps > 0:
-        limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps)
-        middlewares.append(rate_limit_middleware(limiter, bool(cfg.api_keys), OPEN_PATHS))
-    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_payload_size)
+    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_payload_size)
     app[STATE] = state
 
     async def on_startup(_app: web.Application) -> None:

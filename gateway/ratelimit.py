@@ -62,15 +62,9 @@ def client_key(request: web.Request, auth_on: bool) -> str:
     return "ip:" + (request.remote or "unknown")
 
 
-def rate_limit_middleware(limiter: RateLimiter, auth_on: bool, exempt: tuple[str, ...]):
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        if request.path in exempt:
-            return await handler(request)
-        wait = limiter.try_acquire(client_key(request, auth_on))
-        if wait:
-            raise GatewayError(429, f"rate limit exceeded ({limiter.rate:g} requests/s, burst {limiter.burst:g})",
-                               code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
-        return await handler(request)
-
-    return middleware
+def check_rate(limiter: RateLimiter, request: web.Request, auth_on: bool) -> None:
+    """Raise 429 with Retry-After when this client's bucket is empty (call after auth)."""
+    wait = limiter.try_acquire(client_key(request, auth_on))
+    if wait:
+        raise GatewayError(429, f"rate limit exceeded ({limiter.rate:g} requests/s, burst {limiter.burst:g})",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})

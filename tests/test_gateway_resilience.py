@@ -3,8 +3,11 @@ affected client sees AND that the requests running beside it all succeed."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
+
+import aiohttp
 
 from tests.conftest import MODEL
 from tests.support import get_text, metric_value, request_json
@@ -108,3 +111,31 @@ def test_flapping_health_leaves_and_rejoins_rotation_without_client_errors(start
     transitions = sum(a != b for a, b in zip(seen, seen[1:]))
     assert False in seen and transitions >= 2, seen  # dropped out, and came back (at least once)
     assert workers(gw.url)[steady.url]["healthy"] is True
+
+
+async def _streams_beside_hang_ups(url: str, n: int) -> list[bytes]:
+    """n streams that read to the end while n others hang up after their first event."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "stream"}], "max_tokens": 200, "stream": True}
+
+    async def one(hang_up: bool) -> bytes:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.post(url + "/v1/chat/completions", json=body) as resp:
+                raw = b""
+                async for chunk in resp.content.iter_any():
+                    raw += chunk
+                    if hang_up and b"\n\n" in raw:
+                        return b"hung up"
+                return raw
+
+    return await asyncio.gather(*(one(i % 2 == 1) for i in range(2 * n)))
+
+
+def test_clients_hanging_up_do_not_break_other_streams(start_sim, start_gateway):
+    sim = start_sim("--time-scale", "2")
+    gw = start_gateway(sim.url)
+    results = asyncio.run(_streams_beside_hang_ups(gw.url, 4))
+    finished = [r for r in results if r != b"hung up"]
+    assert len(finished) == 4
+    for raw in finished:
+        assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw, raw[-300:]
+    assert metric_value(get_text(gw.url + "/metrics"), "kvgate_upstream_errors_total") == 0
