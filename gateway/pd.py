@@ -14,6 +14,7 @@ client, a failure picks a new pair and a new room.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import time
@@ -25,7 +26,8 @@ import msgspec
 from aiohttp import web
 
 from gateway.errors import GatewayError
-from gateway.proxy import RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, select, upstream_headers
+from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, outcome_from_sse_tail, select,
+                           upstream_headers)
 from gateway.request import Body
 from gateway.workers import Worker
 from policies.base import Choice, NoWorkerAvailable, Outcome, Policy, RequestView
@@ -87,6 +89,13 @@ def last_sse_json(data: bytes) -> Any:
     return None
 
 
+def prefill_outcome(status: int, data: bytes, ctype: str) -> Outcome:
+    """Prompt and cached tokens as the prefill engine reported them (JSON or its SSE body)."""
+    if ctype.startswith("text/event-stream"):
+        return outcome_from_sse_tail(data[-16384:], status)
+    return outcome_from_json(data, status)
+
+
 class PDProxy(Proxy):
     def __init__(self, *args: Any, prefill_policy: Policy, decode_policy: Policy, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -103,8 +112,9 @@ class PDProxy(Proxy):
             return None
         pair = getattr(self.prefill_policy, "select_pair", None)
         try:
-            if pair is not None:  # a joint scorer prices both legs together
-                return await pair(view, [w.view for w in prefills], [w.view for w in decodes])
+            if pair is not None:  # a joint scorer prices both legs together (plain or async)
+                chosen = pair(view, [w.view for w in prefills], [w.view for w in decodes])
+                return await chosen if inspect.isawaitable(chosen) else chosen
             p = await select(self.prefill_policy, view, [w.view for w in prefills])
             d = await select(self.decode_policy, view, [w.view for w in decodes])
         except NoWorkerAvailable:
@@ -259,6 +269,9 @@ class PDProxy(Proxy):
                 upstream.close()
             prefill.view.in_flight -= 1
             decode.view.in_flight -= 1
+            if p_outcome.ok and p_task.done() and not p_task.cancelled() and p_task.exception() is None:
+                p_outcome = prefill_outcome(*p_task.result())  # the prefix hit happens on prefill
+            self.count_tokens(p_outcome, p_choice)
             self.prefill_policy.on_complete(view, prefill.view, p_outcome)
             self.decode_policy.on_complete(view, decode.view, d_outcome)
 

@@ -234,13 +234,17 @@ class Proxy:
             wv.in_flight -= 1
             if upstream is not None:
                 upstream.close()  # idempotent after a full read; drops the connection otherwise
-            if outcome.prompt_tokens:
-                self.metrics.prompt_tokens.inc(outcome.prompt_tokens)
-                if outcome.cached_tokens is not None:
-                    self.metrics.cached_tokens.inc(outcome.cached_tokens)
-                    if choice.predicted_cached_tokens is not None:
-                        self.metrics.predicted_cached.inc(choice.predicted_cached_tokens)
+            self.count_tokens(outcome, choice)
             self.policy.on_complete(view, wv, outcome)
+
+    def count_tokens(self, outcome: Outcome, choice: Choice) -> None:
+        """Engine-reported prompt and cached tokens, beside what the policy predicted."""
+        if outcome.prompt_tokens:
+            self.metrics.prompt_tokens.inc(outcome.prompt_tokens)
+            if outcome.cached_tokens is not None:
+                self.metrics.cached_tokens.inc(outcome.cached_tokens)
+                if choice.predicted_cached_tokens is not None:
+                    self.metrics.predicted_cached.inc(choice.predicted_cached_tokens)
 
     async def _stream(self, request: web.Request, view: RequestView, worker: Worker,
                       upstream: aiohttp.ClientResponse, started: float, *, first: bytes | None = None,

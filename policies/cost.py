@@ -106,22 +106,29 @@ class Cost(Policy):
                 out[i] = (ttft, uncached, cached)
         return out
 
-    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
-        require_workers(workers)
+    def costs(self, request: RequestView, workers: Sequence[WorkerView]) -> list[tuple[float, float, float]]:
+        """``predict`` over what the index knows of these workers right now."""
         if self.feed is not None:
             self.feed.follow(workers)
         if self.budget is not None:
             self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
-        costs = self.predict(request, workers, match)
+        return self.predict(request, workers, match)
+
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
+        require_workers(workers)
+        costs = self.costs(request, workers)
         if self.temperature > 0 and len(workers) > 1:
             best = min(c[0] for c in costs)
             weights = [math.exp(-(c[0] - best) / self.temperature) for c in costs]
             i = self._rng.choices(range(len(workers)), weights)[0]
         else:
             i = min(range(len(workers)), key=lambda j: costs[j][0])  # first of equals
-        chosen = workers[i]
-        ttft, uncached, cached = costs[i]
+        return self.commit(request, workers[i], *costs[i])
+
+    def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
+               cached: float) -> Choice:
+        """Book the choice: speculative index entries, expected hit, queued prefill work."""
         self.index.record(request, chosen)
         self._picked[request.request_id] = (chosen.url, uncached)
         if len(self._picked) > 100_000:

@@ -20,6 +20,7 @@ BUILTIN = {
     "cache_aware": "policies.cache_aware:CacheAware",
     "kv_events": "policies.kv_events:KvEvents",
     "cost": "policies.cost:Cost",
+    "pd_cost": "policies.pd_cost:PDCost",
 }
 
 

@@ -160,3 +160,13 @@ def test_hanging_decode_times_out_with_504_and_aborts_prefill(procs):
     status, data = request_json("POST", gw.url + "/generate", {"text": "hang", "sampling_params": {"max_new_tokens": 2}})
     assert status == 504 and data["error"]["code"] == "upstream_timeout"
     assert time.monotonic() - started < 10
+
+
+def test_joint_pair_policy_serves_through_the_gateway(procs):
+    gw, _, _ = start_pd(procs, 2, 2, gateway_args=("--policy", "pd_cost"))
+    for i in range(4):
+        status, data = request_json("POST", gw.url + "/generate", {
+            "text": "joint pair " * 30 + str(i), "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and data["meta_info"]["completion_tokens"] == 2
+    metrics = get_text(gw.url + "/metrics")
+    assert metric_value(metrics, "kvgate_policy_stat", policy="prefill:pd_cost", stat="hit_verified_requests_total") == 4

@@ -1,0 +1,47 @@
+"""``pd_cost`` prices prefill hit, KV transfer and decode load as one pair decision."""
+
+from __future__ import annotations
+
+from policies.base import EngineLoad, Outcome, RequestView, WorkerView
+from policies.loader import load_policy
+
+
+def view(url: str, role: str, **kw) -> WorkerView:
+    return WorkerView(url=url, role=role, **kw)
+
+
+def req(i: int, text: str) -> RequestView:
+    return RequestView(request_id=f"r{i}", route="/generate", text=text)
+
+
+PROMPT = "shared system prompt " * 2000  # ~10k tokens by the text estimate
+
+
+def test_long_prompt_keeps_its_kv_on_one_host():
+    policy = load_policy("pd_cost", index="approx")
+    prefills = [view("http://10.0.0.1:30000", "prefill"), view("http://10.0.0.2:30000", "prefill")]
+    decodes = [view("http://10.0.0.2:30001", "decode"), view("http://10.0.0.1:30001", "decode")]
+    p, d = policy.select_pair(req(0, PROMPT), prefills, decodes)
+    assert p.worker.host == d.worker.host
+
+
+def test_busy_same_host_decode_loses_to_a_cheaper_transfer():
+    policy = load_policy("pd_cost", index="approx", decode_cost_s=0.01)
+    prefills = [view("http://10.0.0.1:30000", "prefill")]
+    busy = view("http://10.0.0.1:30001", "decode", load=EngineLoad(running=200))
+    idle = view("http://10.0.0.2:30001", "decode")
+    _, d = policy.select_pair(req(0, PROMPT), prefills, [busy, idle])
+    assert d.worker is idle
+
+
+def test_prefix_hit_on_a_prefill_wins_and_the_pair_follows_it():
+    policy = load_policy("pd_cost", index="approx")
+    a, b = view("http://10.0.0.1:30000", "prefill"), view("http://10.0.0.2:30000", "prefill")
+    decodes = [view("http://10.0.0.1:30001", "decode"), view("http://10.0.0.2:30001", "decode")]
+    first, _ = policy.select_pair(req(0, PROMPT + " question one"), [a, b], decodes)
+    policy.on_routed(req(0, PROMPT + " question one"), first.worker)
+    policy.on_complete(req(0, PROMPT + " question one"), first.worker, Outcome(ok=True, prompt_tokens=10000,
+                                                                                 cached_tokens=0))
+    second, d = policy.select_pair(req(1, PROMPT + " question two"), [a, b], decodes)
+    assert second.worker is first.worker and second.predicted_cached_tokens
+    assert d.worker.host == second.worker.host
