@@ -46,7 +46,6 @@ from tests.support import ROOT, Proc, child_env, free_port
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 LUA = ROOT / "bench" / "wrk_post.lua"
-BEGIN, END = "<!-- bench/overhead.py:begin -->", "<!-- bench/overhead.py:end -->"
 MODEL = "stub-model"
 ROUTE = "/v1/chat/completions"
 VARIANTS = ("direct", "kvgate", "sglang-router", "aiohttp-min", "starlette-min")
@@ -209,35 +208,35 @@ def versions() -> str:
     return ", ".join(parts)
 
 
-def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str], chunks: list[int]) -> list[str]:
-    head = ["variant", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "c=1 p50 µs", "c=1 p99 µs", "+p50 µs vs direct"]
-    for n in chunks:
-        head += [f"streams/s ({n})", f"chunks/s ({n})", f"CPU µs/stream ({n})"]
+def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str]) -> list[list[str]]:
+    """One row per variant, one column group per test that ran."""
+    head = ["variant"]
+    if "rps" in tests:
+        head += ["req/s", "p50 ms", "p99 ms", "CPU µs/req"]
+    if "lat" in tests:
+        head += ["c=1 p50 µs", "c=1 p99 µs", "+p50 µs vs direct"]
+    sse = [t for t in tests if t.startswith("sse") and not t.startswith("sselat")]
+    for t in sse:
+        head += [f"streams/s ({t[3:]})", f"chunks/s ({t[3:]})", f"CPU µs/stream ({t[3:]})"]
     sselat = [t for t in tests if t.startswith("sselat")]
     if sselat:
         head.append(f"c=1 stream p50 ms ({sselat[0][6:]})")
-    head.append("errors")
-    rows = [head]
+    rows = [head + ["errors"]]
     direct_lat = results.get("direct", {}).get("lat")
     for name, by_test in results.items():
         row = [name]
         if "rps" in tests:
-            rps = by_test["rps"]
-            row += [f"{median(rps, 'rps'):,.0f}", f"{median(rps, 'p50_ms'):.2f}", f"{median(rps, 'p99_ms'):.2f}",
-                    f"{median(rps, 'cpu_us'):.0f}"]
-        else:
-            row += ["-"] * 4
+            r = by_test["rps"]
+            row += [f"{median(r, 'rps'):,.0f}", f"{median(r, 'p50_ms'):.2f}", f"{median(r, 'p99_ms'):.2f}",
+                    f"{median(r, 'cpu_us'):.0f}"]
         if "lat" in tests:
-            lat = by_test["lat"]
-            p50 = median(lat, "p50_ms") * 1e3
-            added = f"{p50 - median(direct_lat, 'p50_ms') * 1e3:+.0f}" if direct_lat and name != "direct" else "0"
-            row += [f"{p50:.0f}", f"{median(lat, 'p99_ms') * 1e3:.0f}", added]
-        else:
-            row += ["-"] * 3
-        for n in chunks:
-            sse = by_test.get(f"sse{n}")
-            row += ([f"{median(sse, 'rps'):,.0f}", f"{median(sse, 'eps'):,.0f}", f"{median(sse, 'cpu_us'):.0f}"]
-                    if sse else ["-"] * 3)
+            r = by_test["lat"]
+            p50 = median(r, "p50_ms") * 1e3
+            added = f"{p50 - median(direct_lat, 'p50_ms') * 1e3:+.0f}" if direct_lat and name != "direct" else "-"
+            row += [f"{p50:.0f}", f"{median(r, 'p99_ms') * 1e3:.0f}", added]
+        for t in sse:
+            r = by_test[t]
+            row += [f"{median(r, 'rps'):,.0f}", f"{median(r, 'eps'):,.0f}", f"{median(r, 'cpu_us'):.0f}"]
         if sselat:
             row.append(f"{median(by_test[sselat[0]], 'p50_ms'):.2f}")
         row.append(str(int(sum(r["errors"] for t in by_test.values() for r in t))))
@@ -279,12 +278,15 @@ def plain(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
-def write_results(section: str, path: Path) -> None:
+def write_results(section: str, path: Path, name: str) -> None:
+    """Replace this run's marked section (by ``--section``) and leave the rest of the file alone."""
     text = path.read_text() if path.exists() else "# kvgate benchmark results\n"
-    block = f"{BEGIN}\n{section.strip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
+    tag = "bench/overhead.py" + ("" if name == "main" else f":{name}")
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+    block = f"{begin}\n{section.strip()}\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
         text = head + block + tail
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
@@ -310,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 repetition of 2 s (1 s latency): a smoke run")
     p.add_argument("--note", default="", help="free text recorded with the results (e.g. 'machine busy')")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--section", default="main",
+                   help="which marked section of the results file this run replaces (e.g. 'before-after')")
+    p.add_argument("--title", default="Router overhead", help="heading of the section")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     a = p.parse_args(argv)
     if a.quick:
@@ -364,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         for proc in stubs:
             proc.stop()
 
-    rows = table(results, tests, a.chunks)
+    rows = table(results, tests)
     rat = ratios(results, a.chunks)
     print(plain(rows))
     print("\n".join(rat))
@@ -373,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = (f"load generator on CPU {a.load_cpu}, stubs + router on CPU {a.server_cpus} (taskset)"
            if a.load_cpu or a.server_cpus else "unpinned")
     section = "\n".join([
-        "## Router overhead (`bench/overhead.py`)",
+        f"## {a.title} (`bench/overhead.py`)",
         "",
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- command: `{command.strip()}`",
@@ -391,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         *[f"- {r}" for r in rat],
     ])
     if not a.no_write:
-        write_results(section, a.results)
+        write_results(section, a.results, a.section)
         print(f"\nwritten to {a.results}", file=sys.stderr)
     return 0
 
