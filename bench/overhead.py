@@ -204,7 +204,7 @@ def versions() -> str:
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "gateway"],
                            capture_output=True, text=True).stdout.strip()
-    parts.append(f"kvgate {rev.stdout.strip()}{'+dirty' if dirty else ''}")
+    parts.append(f"kvgate {rev.stdout.strip() or '(not a git checkout)'}{'+dirty' if dirty else ''}")
     return ", ".join(parts)
 
 
