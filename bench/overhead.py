@@ -21,7 +21,7 @@ Pinning: the load generator runs on ``--load-cpu``, every server (stubs and rout
 Results are printed and written into a marked section of ``bench/RESULTS.md``.
 
     PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead            # ~4 min
-    PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead --quick    # ~1 min
+    PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead --quick    # ~1 min, a smoke run
 """
 
 from __future__ import annotations
@@ -151,10 +151,10 @@ def group_cpu_seconds(pgids: list[int]) -> float:
     return total / _TICK
 
 
-def run_load(loadgen: str, cpu: str, url: str, req_body: str, connections: int, seconds: float,
+def run_load(loadgen: str, cpu: str, url: str, req_body: str, connections: int, seconds: int,
              count_events: bool) -> dict[str, float]:
     if loadgen == "wrk":
-        argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(LUA), url + ROUTE]
+        argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(LUA), url + ROUTE]
         env = {**os.environ, "BODY": req_body, "COUNT_EVENTS": "1" if count_events else "0"}
     else:
         argv = [sys.executable, "-m", "bench.loadgen", "--url", url + ROUTE, "--body", req_body,
@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the kvgate found in DIR (e.g. `git archive main | tar -x -C DIR`) as 'kvgate-ref'")
     p.add_argument("--stubs", type=int, default=1, choices=(1, 2), help="stub backend processes behind each router")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--duration", type=float, default=3.5, help="seconds per throughput run")
-    p.add_argument("--latency-duration", type=float, default=1.5, help="seconds per 1-connection latency run")
+    p.add_argument("--duration", type=int, default=3, help="seconds per throughput run")
+    p.add_argument("--latency-duration", type=int, default=2, help="seconds per 1-connection latency run")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64], help="SSE chunks per stream, one test each")
     p.add_argument("--tests", nargs="+", default=["rps", "lat", "sse", "sselat"],
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     a = p.parse_args(argv)
     if a.quick:
-        a.reps, a.duration, a.latency_duration = 1, 2.0, 1.0
+        a.reps, a.duration, a.latency_duration = 1, 2, 1
     if a.loadgen == "wrk" and not shutil.which("wrk"):
         raise SystemExit("wrk not found (apt-get install wrk) or use --loadgen aiohttp")
     if (a.load_cpu or a.server_cpus) and not shutil.which("taskset"):
