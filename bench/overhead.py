@@ -98,12 +98,15 @@ def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{proc.name} not answering at {url} after {timeout}s:\n{proc.output()[-3000:]}")
 
 
-def start_variants(names: list[str], stubs: int, cpus: str,
-                   kvgate_ref: Path | None = None) -> tuple[list[Proc], list[Variant]]:
+def start_variants(names: list[str], stubs: int, cpus: str, started: list[Proc],
+                   kvgate_ref: Path | None = None) -> list[Variant]:
+    """Every process goes into ``started`` as soon as it exists, so the caller stops them all
+    even when a later one fails to come up."""
     stub_procs, stub_urls = [], []
     for i in range(stubs):
         port = free_port()
         stub_procs.append(_start(f"stub{i}", cpus, "bench.stub_backend", "--port", str(port), "--chunks", "16"))
+        started.append(stub_procs[-1])
         stub_urls.append(f"http://127.0.0.1:{port}")
     for proc, url in zip(stub_procs, stub_urls):
         _wait_post(proc, url, 30)
@@ -127,11 +130,12 @@ def start_variants(names: list[str], stubs: int, cpus: str,
                           "--upstream", *stub_urls)
         else:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        started.append(proc)
         variants.append(Variant(name, f"http://127.0.0.1:{port}", [proc]))
     for v in variants:
         for proc in v.procs:
             _wait_post(proc, v.url)
-    return stub_procs, variants
+    return variants
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -334,9 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.kvgate_ref / "gateway" / "app.py").exists():
             raise SystemExit(f"{a.kvgate_ref} holds no gateway/app.py")
         names.insert(names.index("kvgate") + 1 if "kvgate" in names else len(names), "kvgate-ref")
-    stubs, variants = start_variants(names, a.stubs, a.server_cpus, a.kvgate_ref)
-    results: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {t: [] for t in tests} for v in variants}
+    started: list[Proc] = []
     try:
+        variants = start_variants(names, a.stubs, a.server_cpus, started, a.kvgate_ref)
+        results: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {t: [] for t in tests} for v in variants}
         for v in variants:  # warm-up: connection pools, lazy imports, JIT-free but cache-warm
             run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, 1, False)
             run_load(a.loadgen, a.load_cpu, v.url, body(a.chunks[0]), a.concurrency, 1, True)
@@ -363,10 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                           + f"  err {r['errors']}",
                           file=sys.stderr, flush=True)
     finally:
-        for v in variants:
-            for proc in v.procs:
-                proc.stop()
-        for proc in stubs:
+        for proc in reversed(started):
             proc.stop()
 
     rows = table(results, tests)
