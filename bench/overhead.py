@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     tests = [t for t in ("rps", "lat") if t in a.tests] + [f"sse{n}" for n in a.chunks if "sse" in a.tests]
     if "sselat" in a.tests:
         tests.append(f"sselat{a.chunks[0]}")
-    started = time.monotonic()
+    began = time.monotonic()
     names = list(a.variants)
     if a.kvgate_ref:
         a.kvgate_ref = a.kvgate_ref.resolve()
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {pin}; load generator `{a.loadgen}`, {a.concurrency} connections (latency columns: 1 connection);"
         f" {a.reps} x {a.duration:g} s per test ({a.latency_duration:g} s for latency), medians;"
         f" direct = the first stub; CPU µs/req = user+sys CPU of the router's own process(es) per request"
-        f" (for direct: the stub's); wall time {time.monotonic() - started:.0f} s",
+        f" (for direct: the stub's); wall time {time.monotonic() - began:.0f} s",
         *([f"- note: {a.note}"] if a.note else []),
         "",
         markdown(rows),
