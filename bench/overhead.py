@@ -21,7 +21,7 @@ Pinning: the load generator runs on ``--load-cpu``, every server (stubs and rout
 Results are printed and written into a marked section of ``bench/RESULTS.md``.
 
     PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead            # ~4 min
-    PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead --quick    # ~1 min
+    PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead --quick    # ~1 min, a smoke run
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from tests.support import ROOT, Proc, child_env, free_port
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 LUA = ROOT / "bench" / "wrk_post.lua"
-BEGIN, END = "<!-- bench/overhead.py:begin -->", "<!-- bench/overhead.py:end -->"
 MODEL = "stub-model"
 ROUTE = "/v1/chat/completions"
 VARIANTS = ("direct", "kvgate", "sglang-router", "aiohttp-min", "starlette-min")
@@ -99,12 +98,15 @@ def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{proc.name} not answering at {url} after {timeout}s:\n{proc.output()[-3000:]}")
 
 
-def start_variants(names: list[str], stubs: int, cpus: str,
-                   kvgate_ref: Path | None = None) -> tuple[list[Proc], list[Variant]]:
+def start_variants(names: list[str], stubs: int, cpus: str, started: list[Proc],
+                   kvgate_ref: Path | None = None) -> list[Variant]:
+    """Every process goes into ``started`` as soon as it exists, so the caller stops them all
+    even when a later one fails to come up."""
     stub_procs, stub_urls = [], []
     for i in range(stubs):
         port = free_port()
         stub_procs.append(_start(f"stub{i}", cpus, "bench.stub_backend", "--port", str(port), "--chunks", "16"))
+        started.append(stub_procs[-1])
         stub_urls.append(f"http://127.0.0.1:{port}")
     for proc, url in zip(stub_procs, stub_urls):
         _wait_post(proc, url, 30)
@@ -128,11 +130,12 @@ def start_variants(names: list[str], stubs: int, cpus: str,
                           "--upstream", *stub_urls)
         else:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        started.append(proc)
         variants.append(Variant(name, f"http://127.0.0.1:{port}", [proc]))
     for v in variants:
         for proc in v.procs:
             _wait_post(proc, v.url)
-    return stub_procs, variants
+    return variants
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -152,10 +155,10 @@ def group_cpu_seconds(pgids: list[int]) -> float:
     return total / _TICK
 
 
-def run_load(loadgen: str, cpu: str, url: str, req_body: str, connections: int, seconds: float,
+def run_load(loadgen: str, cpu: str, url: str, req_body: str, connections: int, seconds: int,
              count_events: bool) -> dict[str, float]:
     if loadgen == "wrk":
-        argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(LUA), url + ROUTE]
+        argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(LUA), url + ROUTE]
         env = {**os.environ, "BODY": req_body, "COUNT_EVENTS": "1" if count_events else "0"}
     else:
         argv = [sys.executable, "-m", "bench.loadgen", "--url", url + ROUTE, "--body", req_body,
@@ -205,39 +208,39 @@ def versions() -> str:
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "gateway"],
                            capture_output=True, text=True).stdout.strip()
-    parts.append(f"kvgate {rev.stdout.strip()}{'+dirty' if dirty else ''}")
+    parts.append(f"kvgate {rev.stdout.strip() or '(not a git checkout)'}{'+dirty' if dirty else ''}")
     return ", ".join(parts)
 
 
-def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str], chunks: list[int]) -> list[str]:
-    head = ["variant", "req/s", "p50 ms", "p99 ms", "CPU µs/req", "c=1 p50 µs", "c=1 p99 µs", "+p50 µs vs direct"]
-    for n in chunks:
-        head += [f"streams/s ({n})", f"chunks/s ({n})", f"CPU µs/stream ({n})"]
+def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str]) -> list[list[str]]:
+    """One row per variant, one column group per test that ran."""
+    head = ["variant"]
+    if "rps" in tests:
+        head += ["req/s", "p50 ms", "p99 ms", "CPU µs/req"]
+    if "lat" in tests:
+        head += ["c=1 p50 µs", "c=1 p99 µs", "+p50 µs vs direct"]
+    sse = [t for t in tests if t.startswith("sse") and not t.startswith("sselat")]
+    for t in sse:
+        head += [f"streams/s ({t[3:]})", f"chunks/s ({t[3:]})", f"CPU µs/stream ({t[3:]})"]
     sselat = [t for t in tests if t.startswith("sselat")]
     if sselat:
         head.append(f"c=1 stream p50 ms ({sselat[0][6:]})")
-    head.append("errors")
-    rows = [head]
+    rows = [head + ["errors"]]
     direct_lat = results.get("direct", {}).get("lat")
     for name, by_test in results.items():
         row = [name]
         if "rps" in tests:
-            rps = by_test["rps"]
-            row += [f"{median(rps, 'rps'):,.0f}", f"{median(rps, 'p50_ms'):.2f}", f"{median(rps, 'p99_ms'):.2f}",
-                    f"{median(rps, 'cpu_us'):.0f}"]
-        else:
-            row += ["-"] * 4
+            r = by_test["rps"]
+            row += [f"{median(r, 'rps'):,.0f}", f"{median(r, 'p50_ms'):.2f}", f"{median(r, 'p99_ms'):.2f}",
+                    f"{median(r, 'cpu_us'):.0f}"]
         if "lat" in tests:
-            lat = by_test["lat"]
-            p50 = median(lat, "p50_ms") * 1e3
-            added = f"{p50 - median(direct_lat, 'p50_ms') * 1e3:+.0f}" if direct_lat and name != "direct" else "0"
-            row += [f"{p50:.0f}", f"{median(lat, 'p99_ms') * 1e3:.0f}", added]
-        else:
-            row += ["-"] * 3
-        for n in chunks:
-            sse = by_test.get(f"sse{n}")
-            row += ([f"{median(sse, 'rps'):,.0f}", f"{median(sse, 'eps'):,.0f}", f"{median(sse, 'cpu_us'):.0f}"]
-                    if sse else ["-"] * 3)
+            r = by_test["lat"]
+            p50 = median(r, "p50_ms") * 1e3
+            added = f"{p50 - median(direct_lat, 'p50_ms') * 1e3:+.0f}" if direct_lat and name != "direct" else "-"
+            row += [f"{p50:.0f}", f"{median(r, 'p99_ms') * 1e3:.0f}", added]
+        for t in sse:
+            r = by_test[t]
+            row += [f"{median(r, 'rps'):,.0f}", f"{median(r, 'eps'):,.0f}", f"{median(r, 'cpu_us'):.0f}"]
         if sselat:
             row.append(f"{median(by_test[sselat[0]], 'p50_ms'):.2f}")
         row.append(str(int(sum(r["errors"] for t in by_test.values() for r in t))))
@@ -279,12 +282,15 @@ def plain(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
-def write_results(section: str, path: Path) -> None:
+def write_results(section: str, path: Path, name: str) -> None:
+    """Replace this run's marked section (by ``--section``) and leave the rest of the file alone."""
     text = path.read_text() if path.exists() else "# kvgate benchmark results\n"
-    block = f"{BEGIN}\n{section.strip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
+    tag = "bench/overhead.py" + ("" if name == "main" else f":{name}")
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+    block = f"{begin}\n{section.strip()}\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
         text = head + block + tail
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
@@ -298,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the kvgate found in DIR (e.g. `git archive main | tar -x -C DIR`) as 'kvgate-ref'")
     p.add_argument("--stubs", type=int, default=1, choices=(1, 2), help="stub backend processes behind each router")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--duration", type=float, default=3.5, help="seconds per throughput run")
-    p.add_argument("--latency-duration", type=float, default=1.5, help="seconds per 1-connection latency run")
+    p.add_argument("--duration", type=int, default=3, help="seconds per throughput run")
+    p.add_argument("--latency-duration", type=int, default=2, help="seconds per 1-connection latency run")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64], help="SSE chunks per stream, one test each")
     p.add_argument("--tests", nargs="+", default=["rps", "lat", "sse", "sselat"],
@@ -310,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 repetition of 2 s (1 s latency): a smoke run")
     p.add_argument("--note", default="", help="free text recorded with the results (e.g. 'machine busy')")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--section", default="main",
+                   help="which marked section of the results file this run replaces (e.g. 'before-after')")
+    p.add_argument("--title", default="Router overhead", help="heading of the section")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     a = p.parse_args(argv)
     if a.quick:
-        a.reps, a.duration, a.latency_duration = 1, 2.0, 1.0
+        a.reps, a.duration, a.latency_duration = 1, 2, 1
     if a.loadgen == "wrk" and not shutil.which("wrk"):
         raise SystemExit("wrk not found (apt-get install wrk) or use --loadgen aiohttp")
     if (a.load_cpu or a.server_cpus) and not shutil.which("taskset"):
@@ -322,16 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     tests = [t for t in ("rps", "lat") if t in a.tests] + [f"sse{n}" for n in a.chunks if "sse" in a.tests]
     if "sselat" in a.tests:
         tests.append(f"sselat{a.chunks[0]}")
-    started = time.monotonic()
+    began = time.monotonic()
     names = list(a.variants)
     if a.kvgate_ref:
         a.kvgate_ref = a.kvgate_ref.resolve()
         if not (a.kvgate_ref / "gateway" / "app.py").exists():
             raise SystemExit(f"{a.kvgate_ref} holds no gateway/app.py")
         names.insert(names.index("kvgate") + 1 if "kvgate" in names else len(names), "kvgate-ref")
-    stubs, variants = start_variants(names, a.stubs, a.server_cpus, a.kvgate_ref)
-    results: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {t: [] for t in tests} for v in variants}
+    started: list[Proc] = []
     try:
+        variants = start_variants(names, a.stubs, a.server_cpus, started, a.kvgate_ref)
+        results: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {t: [] for t in tests} for v in variants}
         for v in variants:  # warm-up: connection pools, lazy imports, JIT-free but cache-warm
             run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, 1, False)
             run_load(a.loadgen, a.load_cpu, v.url, body(a.chunks[0]), a.concurrency, 1, True)
@@ -358,13 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                           + f"  err {r['errors']}",
                           file=sys.stderr, flush=True)
     finally:
-        for v in variants:
-            for proc in v.procs:
-                proc.stop()
-        for proc in stubs:
+        for proc in reversed(started):
             proc.stop()
 
-    rows = table(results, tests, a.chunks)
+    rows = table(results, tests)
     rat = ratios(results, a.chunks)
     print(plain(rows))
     print("\n".join(rat))
@@ -373,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = (f"load generator on CPU {a.load_cpu}, stubs + router on CPU {a.server_cpus} (taskset)"
            if a.load_cpu or a.server_cpus else "unpinned")
     section = "\n".join([
-        "## Router overhead (`bench/overhead.py`)",
+        f"## {a.title} (`bench/overhead.py`)",
         "",
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- command: `{command.strip()}`",
@@ -383,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {pin}; load generator `{a.loadgen}`, {a.concurrency} connections (latency columns: 1 connection);"
         f" {a.reps} x {a.duration:g} s per test ({a.latency_duration:g} s for latency), medians;"
         f" direct = the first stub; CPU µs/req = user+sys CPU of the router's own process(es) per request"
-        f" (for direct: the stub's); wall time {time.monotonic() - started:.0f} s",
+        f" (for direct: the stub's); wall time {time.monotonic() - began:.0f} s",
         *([f"- note: {a.note}"] if a.note else []),
         "",
         markdown(rows),
@@ -391,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         *[f"- {r}" for r in rat],
     ])
     if not a.no_write:
-        write_results(section, a.results)
+        write_results(section, a.results, a.section)
         print(f"\nwritten to {a.results}", file=sys.stderr)
     return 0
 

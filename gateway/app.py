@@ -8,6 +8,7 @@ Starlette+uvicorn that chose it).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from typing import Any
@@ -308,6 +309,22 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 # --- assembly -------------------------------------------------------------------------------
 
+def tune_gc() -> None:
+    """Keep the cyclic collector off the hot path once everything long-lived exists.
+
+    Each proxied request allocates many short-lived containers (futures, tasks, headers):
+    with CPython's default thresholds a generation-0 collection ran every ~15 requests and
+    a full one, walking all ~43k objects made at start-up (modules, metrics, policy
+    tables), every ~1,800. Freezing the start-up heap and collecting every 100k
+    allocations measured ~15% less CPU per request (bench/RESULTS.md); reference counting
+    still frees everything acyclic at once, and RSS under load did not change (~48 MB).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
+
+
 def build_app(cfg: GatewayConfig) -> web.Application:
     state = GatewayState(cfg)
     app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_payload_size)
@@ -315,6 +332,7 @@ def build_app(cfg: GatewayConfig) -> web.Application:
 
     async def on_startup(_app: web.Application) -> None:
         await state.start()
+        tune_gc()
 
     async def on_shutdown(_app: web.Application) -> None:
         state.drain.draining = True
