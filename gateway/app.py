@@ -59,6 +59,7 @@ class GatewayState:
         self.policies: dict[str, Policy] = {"unified": self.policy}
         if cfg.pd_disaggregation:
             self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
+        self.needs_prompt = any(p.needs_prompt for p in self.policies.values())
         self.drain = Drain(OPEN_PATHS)
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps) \
             if cfg.rate_limit_rps > 0 else None
@@ -182,7 +183,8 @@ def generation_handler(route: str):
         if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
-        view = build_view(body, route, request.headers, request_id_from(request.headers), state.tokenizer)
+        view = build_view(body, route, request.headers, request_id_from(request.headers), state.tokenizer,
+                          state.needs_prompt)
         started = time.perf_counter()
         async with state.admission.slot():
             response = await state.proxy.forward(request, view, raw, body)

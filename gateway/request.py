@@ -102,10 +102,14 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) and value else value
 
 
-def build_view(body: Body, route: str, headers: Any, request_id: str, tokenizer: Tokenizer | None) -> RequestView:
+def build_view(body: Body, route: str, headers: Any, request_id: str, tokenizer: Tokenizer | None,
+               with_prompt: bool = True) -> RequestView:
+    """``with_prompt=False`` skips the prompt text and token ids (no policy reads them)."""
     text: str | None = None
     token_ids: list[int] | None = None
-    if route == CHAT:
+    if not with_prompt:
+        pass
+    elif route == CHAT:
         text = apply_chat_template(msgspec.to_builtins(body.messages))
     elif route == COMPLETIONS:
         prompt = body.prompt

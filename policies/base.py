@@ -103,10 +103,14 @@ class Policy:
 
     ``options`` come from the CLI (``--policy-option key=value``) or the YAML config.
     ``needs_engine_load`` asks the gateway to poll engine load for this policy.
+    ``needs_prompt = False`` tells the gateway this policy never reads ``text`` or
+    ``token_ids``, so it can skip the chat template and tokenizer (their cost grows with
+    the prompt); the default is to build them.
     """
 
     name: ClassVar[str] = "policy"
     needs_engine_load: ClassVar[bool] = False
+    needs_prompt: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
         self.options = options

@@ -19,6 +19,7 @@ def _point(key: str) -> int:
 
 class ConsistentHash(Policy):
     name = "consistent_hash"
+    needs_prompt = False
 
     def __init__(self, virtual_nodes: int = 160, **options) -> None:
         super().__init__(**options)

@@ -13,6 +13,7 @@ from policies.base import Choice, Policy, RequestView, WorkerView, require_worke
 
 class LeastLoad(Policy):
     name = "least_load"
+    needs_prompt = False
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)

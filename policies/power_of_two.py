@@ -20,6 +20,7 @@ def load_score(worker: WorkerView) -> float:
 
 class PowerOfTwo(Policy):
     name = "power_of_two"
+    needs_prompt = False
     needs_engine_load = True
 
     def __init__(self, seed: int | None = None, **options) -> None:

@@ -10,6 +10,7 @@ from policies.base import Choice, Policy, RequestView, WorkerView, require_worke
 
 class RandomChoice(Policy):
     name = "random"
+    needs_prompt = False
 
     def __init__(self, seed: int | None = None, **options) -> None:
         super().__init__(**options)

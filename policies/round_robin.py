@@ -10,6 +10,7 @@ from policies.base import Choice, Policy, RequestView, WorkerView, require_worke
 
 class RoundRobin(Policy):
     name = "round_robin"
+    needs_prompt = False
 
     def __init__(self, **options) -> None:
         super().__init__(**options)

@@ -48,7 +48,7 @@ class Recorder:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._ok)
         app.router.add_get("/server_info", self._ok)
-        runner = web.AppRunner(app)
+        runner = self._runner = web.AppRunner(app)
         self._loop.run_until_complete(runner.setup())
         self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
         self._ready.set()
@@ -60,6 +60,7 @@ class Recorder:
         return self
 
     def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 

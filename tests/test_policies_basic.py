@@ -71,3 +71,22 @@ def test_random_and_empty_pool():
 def test_unknown_policy_names_the_available_ones():
     with pytest.raises(ValueError, match="round_robin"):
         load_policy("no_such_policy")
+
+
+def test_only_prompt_reading_policies_ask_for_the_prompt():
+    from policies.loader import load_policy_class
+
+    assert not any(load_policy_class(n).needs_prompt
+                   for n in ("round_robin", "random", "least_load", "power_of_two", "consistent_hash"))
+    assert all(load_policy_class(n).needs_prompt for n in ("cache_aware", "kv_events", "cost", "pd_cost"))
+
+
+def test_view_without_prompt_skips_template_and_tokenizer():
+    from gateway.request import CHAT, build_view, parse_body
+    from wire.tokenizer import ByteTokenizer
+
+    body = parse_body(b'{"model":"m","messages":[{"role":"user","content":"hello"}]}', CHAT)
+    full = build_view(body, CHAT, {}, "r", ByteTokenizer())
+    bare = build_view(body, CHAT, {}, "r", ByteTokenizer(), with_prompt=False)
+    assert full.text and full.token_ids and bare.text is None and bare.token_ids is None
+    assert bare.model == "m"
