@@ -111,6 +111,8 @@ class Scheduler:
         self._last_yield = time.monotonic()
         self.forward_steps = 0
         self.busy_sim = 0.0
+        self.lag_sim = 0.0  # how far simulated time is behind the wall clock right now
+        self.max_lag_sim = 0.0
         self._task: asyncio.Task | None = None
 
     # ---- public API ----------------------------------------------------------------
@@ -223,6 +225,11 @@ class Scheduler:
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = self.clock.wall_at(sim_t) - time.monotonic()
+        if delay < 0:  # the process is slower than the simulated GPU: time stretches
+            self.lag_sim = -delay * self.clock.scale
+            self.max_lag_sim = max(self.max_lag_sim, self.lag_sim)
+        else:
+            self.lag_sim = 0.0
         if delay > 0.0005:
             self._notify()
             await asyncio.sleep(delay)
@@ -362,12 +369,14 @@ class Scheduler:
         """Put the computed full pages into the tree, as SGLang's cache_unfinished_req does
         after every chunk: a long prompt becomes reusable (and visible in KV events) while
         it is still being prefilled."""
-        full = tokens // self.page_size
-        if full * self.page_size <= r.locked_len:
+        ps = self.page_size
+        full = tokens // ps
+        if full * ps <= r.locked_len:
             return
-        path = self.cache.insert(r.hashes[:full], r.input_ids, salt=r.cache_salt)
-        self.cache.lock(path[-1])
-        self.cache.unlock(r.node)
+        have = r.locked_len // ps  # pages already in the tree under r.node (locked)
+        path = self.cache.insert(r.hashes[have:full], r.input_ids[have * ps:full * ps], start=r.node,
+                                 salt=r.cache_salt)
+        self.cache.relock(r.node, path[-1])
         r.node = path[-1]
         self.private_prompt -= full * self.page_size - r.locked_len
         r.locked_len = full * self.page_size
@@ -393,8 +402,9 @@ class Scheduler:
     def _apply_decode(self) -> None:
         self.steps += 1
         over = self.used_tokens - self.capacity
-        if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang
-            self.cache.evict(0, over)
+        if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang;
+            # a small margin (1% of the pool) keeps this from running every single step
+            self.cache.evict(0, max(over, self.capacity // 100))
         heap = self._heap
         while heap and heap[0][0] <= self.steps:
             _, _, r = heapq.heappop(heap)
