@@ -113,6 +113,7 @@ class Scheduler:
         self.busy_sim = 0.0
         self.lag_sim = 0.0  # how far simulated time is behind the wall clock right now
         self.max_lag_sim = 0.0
+        self._lag_warned = -1e9
         self._task: asyncio.Task | None = None
 
     # ---- public API ----------------------------------------------------------------
@@ -228,6 +229,10 @@ class Scheduler:
         if delay < 0:  # the process is slower than the simulated GPU: time stretches
             self.lag_sim = -delay * self.clock.scale
             self.max_lag_sim = max(self.max_lag_sim, self.lag_sim)
+            if self.lag_sim > 1.0 and time.monotonic() - self._lag_warned > 30:
+                self._lag_warned = time.monotonic()
+                log.warning("simulated time is %.1f s behind --time-scale %g (CPU-bound); latencies are "
+                            "inflated - lower the time scale", self.lag_sim, self.clock.scale)
         else:
             self.lag_sim = 0.0
         if delay > 0.0005:
