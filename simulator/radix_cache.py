@@ -154,25 +154,23 @@ class RadixCache:
         return loaded
 
     def lock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
-            node.lock_ref += 1
-            if node.lock_ref == 1:
-                self.locked_tokens += self.page_size
-                self._refresh(node)
-            node = node.parent
+        self._lock_path(node, None)
 
     def relock(self, old: Node | None, new: Node) -> None:
         """Move a request's lock from ``old`` to its descendant ``new`` (a prefix that grew),
         touching only the pages in between instead of two walks to the root."""
-        node = new
-        while node is not old and node is not self.root:
+        if self._lock_path(new, old) is not old:  # ``old`` was not an ancestor
+            self.unlock(old)
+
+    def _lock_path(self, node: Node | None, stop: Node | None) -> Node | None:
+        """Lock ``node`` and its ancestors below ``stop``; returns where the walk ended."""
+        while node is not None and node is not stop and node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
                 self.locked_tokens += self.page_size
                 self._refresh(node)
             node = node.parent
-        if node is not old:  # ``old`` was not an ancestor: fall back to a plain unlock
-            self.unlock(old)
+        return node
 
     def unlock(self, node: Node | None) -> None:
         while node is not None and node is not self.root:
