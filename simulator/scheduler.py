@@ -150,8 +150,11 @@ class Scheduler:
         return req
 
     def tick(self) -> asyncio.Future:
-        """A future resolved at the next wall-clock instant the scheduler yields."""
-        return self._tick
+        """A future resolved at the next wall-clock instant the scheduler yields.
+
+        Shielded: every stream awaits the same future, and a client that disconnects cancels
+        its own wait, which must not cancel everyone else's tick."""
+        return asyncio.shield(self._tick)
 
     def generated(self, req: Req) -> int:
         if req.state == RUNNING:
@@ -247,7 +250,7 @@ class Scheduler:
     def _notify(self) -> None:
         if not self._tick.done():
             self._tick.set_result(None)
-            self._tick = asyncio.get_running_loop().create_future()
+        self._tick = asyncio.get_running_loop().create_future()
 
     # ---- admission -----------------------------------------------------------------------
     def _take_ready(self) -> None:
