@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-health-flap-secs", type=float, default=0.0, help="/health alternates 200/503")
     p.add_argument("--fault-transfer-fail-rate", type=float, default=0.0)
     p.add_argument("--fault-hang-rate", type=float, default=0.0, help="accept and never answer")
+    p.add_argument("--fault-garbage-rate", type=float, default=0.0,
+                   help="fraction of generation requests answered 200 with bytes that are not JSON")
     return p
 
 

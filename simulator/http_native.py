@@ -41,6 +41,8 @@ async def apply_faults(engine: Engine) -> None:
         await sleep_forever()
     if engine.fault_roll(a.fault_fail_rate):
         raise ApiError(500, "Injected failure (--fault-fail-rate)", "InternalServerError")
+    if engine.fault_roll(a.fault_garbage_rate):  # a broken engine or a middlebox mangling the body
+        raise web.HTTPOk(body=b'{"id": "cmpl-\x00\xff\xfe garbage <html>', content_type="application/json")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
