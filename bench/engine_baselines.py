@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from simulator.cluster import SimCluster
 
 from .replay import replay, round_robin
-from .trace import TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
+from .trace import DEFAULT_TRACE, TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
 
 
 def conversation_affinity(i: int, record: TraceRecord, urls: Sequence[str]) -> str:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=400)
     p.add_argument("--time-scale", type=float, default=50)
     p.add_argument("--max-tokens-cap", type=int, default=256)
-    p.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--engine-args", default="", help="extra worker options, e.g. '--enable-hierarchical-cache'")
     a = p.parse_args(argv)
     records = load_trace(a.trace, a.limit)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from .trace import TraceRecord, expand, load_trace, oracle_hit_rate
+from .trace import DEFAULT_TRACE, TraceRecord, expand, load_trace, oracle_hit_rate
 
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", required=True, nargs="+", help="a gateway/worker, or several workers (round robin)")
     p.add_argument("--load-urls", nargs="*", default=[], help="workers whose /v1/loads to sample (plots per-worker load)")
     p.add_argument("--load-interval", type=float, default=0.2, help="wall seconds between load samples")
-    p.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=200)
     p.add_argument("--speedup", type=float, default=None, help="trace-time divisor (default: the target's time_scale)")
     p.add_argument("--api", choices=["generate", "completions", "chat"], default="generate")
