@@ -202,9 +202,9 @@ class RadixCache:
                 # write back; the lower tier makes room for itself first
                 if self.tiers[nxt].free_tokens >= ps or self.evict(nxt, ps) >= ps:
                     self._add(node, nxt)
+            parent = node.parent  # read first: a page leaving the trie is unlinked
             self._remove(node, tier)
             freed += ps
-            parent = node.parent
             if parent is not None and parent in self._evictable[tier]:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed

@@ -87,6 +87,8 @@ class Scheduler:
         self.priority = priority
         self._prio_sign = 1 if low_priority_values_first else -1
         self._unsorted = False
+        self._releases = 0  # requests finished or aborted so far (frees memory)
+        self._blocked: tuple[Req, int] | None = None  # (head that did not fit, _releases then)
         self.page_size = page_size
         self.capacity = max_total_tokens
         self.max_running = max_running
@@ -344,8 +346,11 @@ class Scheduler:
             budget -= take
         while self.waiting and budget > 0 and self.n_run + len(parts) < self.max_running:
             r = self.waiting[0]
+            if self._blocked == (r, self._releases):
+                break  # nothing was freed since this head last failed to fit: don't re-match it
             ok, load = self._admit(r)
             if not ok:
+                self._blocked = (r, self._releases)
                 break
             self.waiting.popleft()
             host_load += load
@@ -420,6 +425,7 @@ class Scheduler:
                 self._finish(r)
 
     def _release(self, r: Req, insert_output: bool) -> None:
+        self._releases += 1
         was_running = r.state == RUNNING
         if was_running:
             self.n_run -= 1

@@ -107,6 +107,11 @@ def test_random_ops_keep_invariants_lru_and_events(operations, with_host, write_
                 cache.insert(hashes, seq)
             if m.per_tier[0] == m.pages:
                 cache.unlock(m.last)
+        elif op == "evict" and k > 1:
+            # asked for k pages, it frees k pages whenever that many are unlocked (chains
+            # evict leaf after leaf)
+            possible = cache.evictable_tokens()
+            assert cache.evict(0, k * PS) >= min(k * PS, possible)
         elif op == "evict":
             # brute-force LRU: the evictable device leaf with the oldest access goes first
             leaves = [n for n in cache.iter_nodes() if n.present & 1 and not n.lock_ref
