@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from .trace import TraceRecord, expand, load_trace, oracle_hit_rate
+from .trace import DEFAULT_TRACE, TraceRecord, expand, load_trace, oracle_hit_rate
 
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
@@ -166,6 +166,22 @@ def _absorb(api: str, ev: dict, row: RequestResult, t0: float) -> None:
         row.cached_tokens = details.get("cached_tokens") or 0
 
 
+async def fetch_sim_lag(bases: Sequence[str]) -> float | None:
+    """The simulator's worst lag behind its time scale (None when the target is not one)."""
+    worst = None
+    async with aiohttp.ClientSession() as s:
+        for b in bases:
+            try:
+                async with s.get(b + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        lag = (_dec.decode(await r.read()).get("simulator") or {}).get("max_lag_sim_s")
+                        if lag is not None:
+                            worst = max(worst or 0.0, float(lag))
+            except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError):
+                pass
+    return worst
+
+
 async def fetch_time_scale(base: str) -> float:
     """The simulator reports ``time_scale`` in /server_info; real SGLang (and gateways) don't."""
     try:
@@ -263,9 +279,10 @@ async def replay(records: Sequence[TraceRecord], url: str | Sequence[str], *, ap
         finally:
             if poller:
                 poller.cancel()
-    return ReplayResult(rows, time.monotonic() - start, time_scale,
-                        {"url": urls if len(urls) > 1 else urls[0], "api": api, "speedup": speedup,
-                         "concurrency": concurrency}, samples)
+    wall = time.monotonic() - start
+    meta = {"url": urls if len(urls) > 1 else urls[0], "api": api, "speedup": speedup, "concurrency": concurrency,
+            "sim_max_lag_s": await fetch_sim_lag(bases)}
+    return ReplayResult(rows, wall, time_scale, meta, samples)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -292,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", required=True, nargs="+", help="a gateway/worker, or several workers (round robin)")
     p.add_argument("--load-urls", nargs="*", default=[], help="workers whose /v1/loads to sample (plots per-worker load)")
     p.add_argument("--load-interval", type=float, default=0.2, help="wall seconds between load samples")
-    p.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=200)
     p.add_argument("--speedup", type=float, default=None, help="trace-time divisor (default: the target's time_scale)")
     p.add_argument("--api", choices=["generate", "completions", "chat"], default="generate")
@@ -322,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     oracle = oracle_hit_rate(records)
     summary["oracle_hit_rate"] = oracle
     print(format_table(summary, oracle))
+    lag = result.meta.get("sim_max_lag_s")
+    if lag:
+        print(f"note: the simulator fell up to {lag:.2f} simulated s behind its time scale (CPU-bound); "
+              "latencies above are inflated by that much at worst - lower --time-scale to remove it")
     if a.out:
         from .report import write_outputs
 

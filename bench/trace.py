@@ -17,6 +17,18 @@ from pathlib import Path
 import msgspec
 
 BLOCK = 512
+
+
+def _default_trace() -> Path:
+    """The shared trace sits beside the project root (``../shared/``, see shared/README.md);
+    a git worktree one level deeper finds it one more level up."""
+    root = Path(__file__).resolve().parent.parent
+    candidates = [d / "shared" / "traces" / "mooncake_conversation_trace.jsonl" for d in (root.parent, root.parent.parent)]
+    return next((c for c in candidates if c.exists()), candidates[0])
+
+
+DEFAULT_TRACE = _default_trace()
+
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:-"
 _TABLE = bytes(_ALPHABET[b % len(_ALPHABET)] for b in range(256))
 

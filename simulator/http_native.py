@@ -158,7 +158,10 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
                       "host_pool_tokens": engine.host_tokens,
                       "forward_steps": sum(r.scheduler.forward_steps for r in engine.ranks),
-                      "busy_sim_s": sum(r.scheduler.busy_sim for r in engine.ranks)},
+                      "busy_sim_s": sum(r.scheduler.busy_sim for r in engine.ranks),
+                      # > 0 means this process could not keep up with --time-scale (CPU-bound):
+                      # lower the time scale for faithful latencies
+                      "max_lag_sim_s": max(r.scheduler.max_lag_sim for r in engine.ranks)},
         "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }

@@ -37,9 +37,11 @@ class Tier:
 
 
 class Node:
-    __slots__ = ("key", "parent", "children", "tokens", "present", "lock_ref", "last_access", "depth", "salt")
+    __slots__ = ("key", "parent", "children", "tokens", "present", "lock_ref", "last_access", "depth", "salt",
+                 "kids")
 
-    def __init__(self, key: int | None, parent: Node | None, tokens: tuple[int, ...], depth: int) -> None:
+    def __init__(self, key: int | None, parent: Node | None, tokens: tuple[int, ...], depth: int,
+                 n_tiers: int) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[int, Node] = {}
@@ -49,6 +51,8 @@ class Node:
         self.last_access = 0.0
         self.depth = depth  # pages from the root
         self.salt: str | None = None  # the request's cache_salt, echoed in BlockStored
+        # kids[t]: children present in any of tiers 0..t, so leaf tests are O(1)
+        self.kids = [0] * n_tiers
 
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}, present={self.present:b}, lock={self.lock_ref})"
@@ -81,10 +85,11 @@ class RadixCache:
     emit_events: bool = True
 
     def __post_init__(self) -> None:
-        self.root = Node(None, None, (), 0)
+        self.root = Node(None, None, (), 0, len(self.tiers))
         self.root.present = (1 << len(self.tiers)) - 1
         self.root.lock_ref = 1
         self._evictable: list[set[Node]] = [set() for _ in self.tiers]
+        self._masks = [(1 << (t + 1)) - 1 for t in range(len(self.tiers))]
         self.locked_tokens = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -126,7 +131,7 @@ class RadixCache:
         for i, h in enumerate(hashes):
             child = node.children.get(h)
             if child is None:
-                child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1)
+                child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1, len(self.tiers))
                 child.salt = salt
                 node.children[h] = child
             child.last_access = now
@@ -149,12 +154,23 @@ class RadixCache:
         return loaded
 
     def lock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
+        self._lock_path(node, None)
+
+    def relock(self, old: Node | None, new: Node) -> None:
+        """Move a request's lock from ``old`` to its descendant ``new`` (a prefix that grew),
+        touching only the pages in between instead of two walks to the root."""
+        if self._lock_path(new, old) is not old:  # ``old`` was not an ancestor
+            self.unlock(old)
+
+    def _lock_path(self, node: Node | None, stop: Node | None) -> Node | None:
+        """Lock ``node`` and its ancestors below ``stop``; returns where the walk ended."""
+        while node is not None and node is not stop and node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
                 self.locked_tokens += self.page_size
                 self._refresh(node)
             node = node.parent
+        return node
 
     def unlock(self, node: Node | None) -> None:
         while node is not None and node is not self.root:
@@ -186,16 +202,20 @@ class RadixCache:
                 # write back; the lower tier makes room for itself first
                 if self.tiers[nxt].free_tokens >= ps or self.evict(nxt, ps) >= ps:
                     self._add(node, nxt)
+            parent = node.parent  # read first: a page leaving the trie is unlinked
             self._remove(node, tier)
             freed += ps
-            parent = node.parent
             if parent is not None and parent in self._evictable[tier]:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
     def reset(self) -> None:
         """Drop everything (``/flush_cache``); callers guarantee nothing is locked."""
+        for n in list(self.iter_nodes()):  # unlink so refcounting frees the tree
+            n.parent = None
+            n.children = {}
         self.root.children.clear()
+        self.root.kids = [0] * len(self.tiers)
         for t in self.tiers:
             t.used_tokens = 0
         for s in self._evictable:
@@ -208,8 +228,21 @@ class RadixCache:
         return ev
 
     # ---- internals -------------------------------------------------------------------
+    def _set_present(self, node: Node, present: int) -> None:
+        """Change a node's tier bits, keeping the parent's per-tier child counts."""
+        old, node.present = node.present, present
+        parent = node.parent
+        if parent is not None and len(self._masks) == 1:
+            parent.kids[0] += (present & 1) - (old & 1)
+        elif parent is not None:
+            kids = parent.kids
+            for t, m in enumerate(self._masks):
+                was, now = bool(old & m), bool(present & m)
+                if was != now:
+                    kids[t] += 1 if now else -1
+
     def _add(self, node: Node, tier: int) -> None:
-        node.present |= 1 << tier
+        self._set_present(node, node.present | 1 << tier)
         self.tiers[tier].used_tokens += self.page_size
         medium = self.tiers[tier].medium
         if self.emit_events and medium is not None:
@@ -224,7 +257,7 @@ class RadixCache:
             self._refresh(node.parent)
 
     def _remove(self, node: Node, tier: int) -> None:
-        node.present &= ~(1 << tier)
+        self._set_present(node, node.present & ~(1 << tier))
         self.tiers[tier].used_tokens -= self.page_size
         medium = self.tiers[tier].medium
         if self.emit_events and medium is not None:
@@ -234,6 +267,7 @@ class RadixCache:
             # gone from every tier: its (lower-tier-only) descendants became unreachable
             self._drop_subtree(node)
             del parent.children[node.key]
+            node.parent = None  # no cycle left: refcounting frees it even once gc-frozen
         else:
             self._refresh(node)
         if parent is not None and parent is not self.root:
@@ -245,28 +279,34 @@ class RadixCache:
         for child in list(node.children.values()):
             for t in range(len(self.tiers)):
                 if child.present & (1 << t):
-                    child.present &= ~(1 << t)
+                    self._set_present(child, child.present & ~(1 << t))
                     self.tiers[t].used_tokens -= self.page_size
                     if self.emit_events and self.tiers[t].medium is not None:
                         self.events.append(BlockRemoved(block_hashes=[child.key], medium=self.tiers[t].medium))
             self._drop_subtree(child)
+            child.parent = None
         node.children.clear()
 
     def _refresh(self, node: Node) -> None:
         """Recompute in which tiers ``node`` is an evictable leaf."""
+        present = node.present
+        if len(self._evictable) == 1:  # the common GPU-only cache: one O(1) test
+            if present & 1 and node.lock_ref == 0 and node.kids[0] == 0:
+                self._evictable[0].add(node)
+            else:
+                self._evictable[0].discard(node)
+            return
         for t, s in enumerate(self._evictable):
             bit = 1 << t
-            if not node.present & bit:
+            if not present & bit:
                 ok = False
             elif t == DEVICE:
-                ok = node.lock_ref == 0 and not any(c.present & 1 for c in node.children.values())
+                ok = node.lock_ref == 0 and node.kids[0] == 0
             else:
                 # a copy may go if another tier still holds the page; the last copy only from a
                 # leaf of this tier (children only in slower tiers, which write-back or
                 # _drop_subtree handle) that no request is about to load back
-                upto = (bit << 1) - 1
-                ok = bool(node.present & ~bit) or (
-                    node.lock_ref == 0 and not any(c.present & upto for c in node.children.values()))
+                ok = bool(node.present & ~bit) or (node.lock_ref == 0 and node.kids[t] == 0)
             if ok:
                 s.add(node)
             else:

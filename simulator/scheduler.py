@@ -87,6 +87,8 @@ class Scheduler:
         self.priority = priority
         self._prio_sign = 1 if low_priority_values_first else -1
         self._unsorted = False
+        self._releases = 0  # requests finished or aborted so far (frees memory)
+        self._blocked: tuple[Req, int] | None = None  # (head that did not fit, _releases then)
         self.page_size = page_size
         self.capacity = max_total_tokens
         self.max_running = max_running
@@ -111,6 +113,9 @@ class Scheduler:
         self._last_yield = time.monotonic()
         self.forward_steps = 0
         self.busy_sim = 0.0
+        self.lag_sim = 0.0  # how far simulated time is behind the wall clock right now
+        self.max_lag_sim = 0.0
+        self._lag_warned = -1e9
         self._task: asyncio.Task | None = None
 
     # ---- public API ----------------------------------------------------------------
@@ -226,6 +231,15 @@ class Scheduler:
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = self.clock.wall_at(sim_t) - time.monotonic()
+        if delay < 0:  # the process is slower than the simulated GPU: time stretches
+            self.lag_sim = -delay * self.clock.scale
+            self.max_lag_sim = max(self.max_lag_sim, self.lag_sim)
+            if self.lag_sim > 1.0 and time.monotonic() - self._lag_warned > 30:
+                self._lag_warned = time.monotonic()
+                log.warning("simulated time is %.1f s behind --time-scale %g (CPU-bound); latencies are "
+                            "inflated - lower the time scale", self.lag_sim, self.clock.scale)
+        else:
+            self.lag_sim = 0.0
         if delay > 0.0005:
             self._notify()
             await asyncio.sleep(delay)
@@ -332,8 +346,11 @@ class Scheduler:
             budget -= take
         while self.waiting and budget > 0 and self.n_run + len(parts) < self.max_running:
             r = self.waiting[0]
+            if self._blocked == (r, self._releases):
+                break  # nothing was freed since this head last failed to fit: don't re-match it
             ok, load = self._admit(r)
             if not ok:
+                self._blocked = (r, self._releases)
                 break
             self.waiting.popleft()
             host_load += load
@@ -365,12 +382,14 @@ class Scheduler:
         """Put the computed full pages into the tree, as SGLang's cache_unfinished_req does
         after every chunk: a long prompt becomes reusable (and visible in KV events) while
         it is still being prefilled."""
-        full = tokens // self.page_size
-        if full * self.page_size <= r.locked_len:
+        ps = self.page_size
+        full = tokens // ps
+        if full * ps <= r.locked_len:
             return
-        path = self.cache.insert(r.hashes[:full], r.input_ids, salt=r.cache_salt)
-        self.cache.lock(path[-1])
-        self.cache.unlock(r.node)
+        have = r.locked_len // ps  # pages already in the tree under r.node (locked)
+        path = self.cache.insert(r.hashes[have:full], r.input_ids[have * ps:full * ps], start=r.node,
+                                 salt=r.cache_salt)
+        self.cache.relock(r.node, path[-1])
         r.node = path[-1]
         self.private_prompt -= full * self.page_size - r.locked_len
         r.locked_len = full * self.page_size
@@ -396,8 +415,9 @@ class Scheduler:
     def _apply_decode(self) -> None:
         self.steps += 1
         over = self.used_tokens - self.capacity
-        if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang
-            self.cache.evict(0, over)
+        if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang;
+            # a small margin (1% of the pool) keeps this from running every single step
+            self.cache.evict(0, max(over, self.capacity // 100))
         heap = self._heap
         while heap and heap[0][0] <= self.steps:
             _, _, r = heapq.heappop(heap)
@@ -405,6 +425,7 @@ class Scheduler:
                 self._finish(r)
 
     def _release(self, r: Req, insert_output: bool) -> None:
+        self._releases += 1
         was_running = r.state == RUNNING
         if was_running:
             self.n_run -= 1

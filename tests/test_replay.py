@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+from pathlib import Path
 
 from bench.replay import main as replay_main
 from bench.replay import replay
@@ -12,7 +13,7 @@ from bench.trace import TraceRecord, bounded_oracle_hit_rate, expand, load_trace
 from simulator.cluster import SimCluster
 from tests.sim_support import sim_worker
 
-TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).parent / "data" / "mooncake_conversation_head500.jsonl"  # see data/README.md
 
 
 def test_expand_is_deterministic_and_prefixes_are_real():

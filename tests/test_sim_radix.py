@@ -58,12 +58,16 @@ def _check_invariants(cache: RadixCache) -> None:
             assert n.parent.present & 1, "device tier must be prefix-closed"
         if n.lock_ref:
             assert n.present & 1, "locked pages stay on the device"
+    for n in [cache.root, *cache.iter_nodes()]:
+        for t in range(len(cache.tiers)):
+            mask = (1 << (t + 1)) - 1
+            assert n.kids[t] == sum(1 for c in n.children.values() if c.present & mask), "child counts"
     for t, tier in enumerate(cache.tiers):
         assert tier.used_tokens == counts[t]
         assert tier.used_tokens <= tier.capacity_tokens
 
 
-ops = st.lists(st.tuples(st.sampled_from(["insert", "evict", "lock", "unlock", "match"]), seqs,
+ops = st.lists(st.tuples(st.sampled_from(["insert", "evict", "lock", "unlock", "relock", "match"]), seqs,
                          st.integers(1, 6)), min_size=1, max_size=40)
 
 
@@ -93,10 +97,21 @@ def test_random_ops_keep_invariants_lru_and_events(operations, with_host, write_
             m = cache.match(hashes, touch=False)
             need = (len(hashes) - m.per_tier[0]) * PS
             free = cache.tiers[0].free_tokens
+            if m.per_tier[0] == m.pages:
+                cache.lock(m.last)  # as the scheduler does: never evict the prefix being extended
             if need > free:
                 cache.evict(0, need - free)
+            # eviction may have moved pages of this very path to the host: price it again
+            need = (len(hashes) - cache.match(hashes, touch=False).per_tier[0]) * PS
             if cache.tiers[0].free_tokens >= need:
                 cache.insert(hashes, seq)
+            if m.per_tier[0] == m.pages:
+                cache.unlock(m.last)
+        elif op == "evict" and k > 1:
+            # asked for k pages, it frees k pages whenever that many are unlocked (chains
+            # evict leaf after leaf)
+            possible = cache.evictable_tokens()
+            assert cache.evict(0, k * PS) >= min(k * PS, possible)
         elif op == "evict":
             # brute-force LRU: the evictable device leaf with the oldest access goes first
             leaves = [n for n in cache.iter_nodes() if n.present & 1 and not n.lock_ref
@@ -116,6 +131,17 @@ def test_random_ops_keep_invariants_lru_and_events(operations, with_host, write_
                 locked.append(m.last)
         elif op == "unlock" and locked:
             cache.unlock(locked.pop(k % len(locked)))
+        elif op == "relock" and locked:
+            # a locked prefix grows: move its lock to a deeper page on the same path
+            i = k % len(locked)
+            deeper = locked[i]
+            while deeper.children:
+                nxt = next(iter(deeper.children.values()))
+                if not nxt.present & 1:
+                    break
+                deeper = nxt
+            cache.relock(locked[i], deeper)
+            locked[i] = deeper
         elif op == "match":
             m = cache.match(hashes)
             assert m.pages <= len(hashes)
