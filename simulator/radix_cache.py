@@ -79,6 +79,9 @@ class RadixCache:
     clock: Callable[[], float] = lambda: 0.0
     events: list[Event] = field(default_factory=list)
     emit_events: bool = True
+    # called as (node, tier) whenever a page lands in a tier: the pool tier backs host pages
+    # up to the Mooncake Store from here (``pool_tier.PoolTier``)
+    on_tier_add: Callable[[Node, int], None] | None = None
 
     def __post_init__(self) -> None:
         self.root = Node(None, None, (), 0)
@@ -147,6 +150,39 @@ class RadixCache:
                 self._add(n, DEVICE)
                 loaded += self.page_size
         return loaded
+
+    def mark(self, hashes: Sequence[int], tokens: Sequence[int], tier: int, start: Node | None = None,
+             salt: str | None = None) -> list[Node]:
+        """Record pages as resident in a lower ``tier`` only (pool pages another engine wrote),
+        below ``start``, which must be present in some tier; returns the path."""
+        ps = self.page_size
+        node = start or self.root
+        path: list[Node] = []
+        for i, h in enumerate(hashes):
+            child = node.children.get(h)
+            if child is None:
+                child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1)
+                child.salt = salt
+                node.children[h] = child
+            if not child.present & (1 << tier):
+                self._add(child, tier)
+            path.append(child)
+            node = child
+        return path
+
+    def add_tier(self, node: Node, tier: int) -> bool:
+        """Add a live page to ``tier`` (a finished backup); False if it left the trie meanwhile."""
+        if not node.present or node.present & (1 << tier):
+            return False
+        self._add(node, tier)
+        return True
+
+    def drop_tier(self, node: Node, tier: int) -> bool:
+        """Forget that ``tier`` holds the page (the pool evicted it)."""
+        if not node.present & (1 << tier):
+            return False
+        self._remove(node, tier)
+        return True
 
     def lock(self, node: Node | None) -> None:
         while node is not None and node is not self.root:
@@ -219,6 +255,8 @@ class RadixCache:
                 token_ids=list(node.tokens), block_size=len(node.tokens), lora_id=None, medium=medium,
                 cache_salt=node.salt,
             ))
+        if self.on_tier_add is not None:
+            self.on_tier_add(node, tier)
         self._refresh(node)
         if node.parent is not None and node.parent is not self.root:
             self._refresh(node.parent)
@@ -281,8 +319,11 @@ class RadixCache:
             stack.extend(n.children.values())
 
 
-def build_tiers(device_tokens: int, host_tokens: int = 0) -> list[Tier]:
+def build_tiers(device_tokens: int, host_tokens: int = 0, storage_tokens: int = 0) -> list[Tier]:
+    """Storage (the shared Mooncake pool) needs the host tier in front of it, as in HiCache."""
     tiers = [Tier("device", device_tokens, "GPU")]
     if host_tokens > 0:
         tiers.append(Tier("host", host_tokens, "CPU_PINNED"))
+        if storage_tokens > 0:
+            tiers.append(Tier("storage", storage_tokens, "EXTERNAL"))
     return tiers
