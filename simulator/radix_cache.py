@@ -185,10 +185,14 @@ class RadixCache:
         return True
 
     def lock(self, node: Node | None) -> None:
+        """Pin a path. ``locked_tokens`` counts only pinned pages *on the device* (the part
+        eviction cannot free): a request whose prefix waits in host or pool memory pins those
+        pages too, and counting them would make ``evictable_tokens`` too small to ever admit it."""
         while node is not None and node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
-                self.locked_tokens += self.page_size
+                if node.present & 1:
+                    self.locked_tokens += self.page_size
                 self._refresh(node)
             node = node.parent
 
@@ -197,7 +201,8 @@ class RadixCache:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unbalanced unlock"
             if node.lock_ref == 0:
-                self.locked_tokens -= self.page_size
+                if node.present & 1:
+                    self.locked_tokens -= self.page_size
                 self._refresh(node)
             node = node.parent
 
@@ -247,6 +252,8 @@ class RadixCache:
     def _add(self, node: Node, tier: int) -> None:
         node.present |= 1 << tier
         self.tiers[tier].used_tokens += self.page_size
+        if tier == DEVICE and node.lock_ref:  # a pinned page loaded back (promote)
+            self.locked_tokens += self.page_size
         medium = self.tiers[tier].medium
         if self.emit_events and medium is not None:
             parent = node.parent
