@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "MOONCAKE_* env vars fill what it leaves out")
     p.add_argument("--hicache-storage-prefetch-policy", default="best_effort",
                    choices=["best_effort", "wait_complete", "timeout"])
-    p.add_argument("--storage-speedup", type=float, default=5.0,
-                   help="simulator only: pool loads take the measured loopback time scaled to the profile's "
-                        "KV bytes, divided by this (loopback TCP -> RDMA pool)")
+    p.add_argument("--storage-speedup", type=float, default=None,
+                   help="simulator only: pool loads take the measured get time scaled to the profile's KV "
+                        "bytes, divided by this (default: calibrated at start to --storage-bandwidth-gbps)")
+    p.add_argument("--storage-bandwidth-gbps", type=float, default=5.0,
+                   help="simulator only: what an uncontended pool load should run at (RDMA Mooncake pool)")
     # KV events
     p.add_argument("--kv-events-port", type=int, default=None, help="shortcut for a zmq publisher on this port")
     p.add_argument("--kv-events-config", default=None, help="SGLang's JSON kv-events config")

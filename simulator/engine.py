@@ -93,6 +93,8 @@ class Engine:
         self._next_rank = 0
         self.pd = None  # set by server for PD roles
         self.page_store = None  # pool_store.PageStore with --hicache-storage-backend mooncake
+        self.storage_tokens = 0  # prompt tokens served from the pool
+        self.storage_speedup: float | None = None
 
     @property
     def host_tokens(self) -> int:
@@ -154,8 +156,12 @@ class Engine:
         cfg = StoreConfig.from_extra_config(self.args.hicache_storage_backend_extra_config)
         store = PageStore(cfg, self.page_size * self.args.kv_bytes_per_token)
         await asyncio.to_thread(store.connect)
-        log.info("HiCache storage: mooncake master %s, segment %d MiB, page %d bytes", cfg.master_server_address,
-                 cfg.global_segment_size >> 20, store.page_bytes)
+        self.storage_speedup = self.args.storage_speedup
+        if self.storage_speedup is None:
+            measured = await asyncio.to_thread(store.calibrate)
+            self.storage_speedup = self.args.storage_bandwidth_gbps * 1e9 / measured
+        log.info("HiCache storage: mooncake master %s, segment %d MiB, page %d bytes, speedup %.2f",
+                 cfg.master_server_address, cfg.global_segment_size >> 20, store.page_bytes, self.storage_speedup)
         return store
 
     def _pool_tier(self, cache: RadixCache, publisher: KVEventPublisher | None):
@@ -165,7 +171,7 @@ class Engine:
         return PoolTier(self.page_store, cache, self.clock, page_size=self.page_size,
                         policy=self.args.hicache_storage_prefetch_policy,
                         bytes_ratio=self.profile.kv_bytes_per_token / self.args.kv_bytes_per_token,
-                        speedup=self.args.storage_speedup,
+                        speedup=self.storage_speedup,
                         timeout_base=float(extra.get("prefetch_timeout_base", 1.0)),
                         timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.25)),
                         publish=publisher.publish if publisher else None)
@@ -184,6 +190,19 @@ class Engine:
         if any(r.scheduler.busy() for r in self.ranks):
             return False
         return all(r.scheduler.flush() for r in self.ranks)
+
+    def pool_stats(self) -> dict | None:
+        """The Mooncake pool traffic of all ranks (``/server_info``, benchmarks)."""
+        if self.page_store is None:
+            return None
+        from dataclasses import asdict
+
+        out: dict[str, float] = {"credited_tokens": self.storage_tokens}
+        for r in self.ranks:
+            for k, v in asdict(r.scheduler.pool.stats).items():
+                out[k] = out.get(k, 0) + v
+        out["speedup"] = self.storage_speedup
+        return out
 
     def host_tier(self) -> tuple[int, int]:
         """(used, capacity) of the HiCache host pools, summed over ranks."""
@@ -302,11 +321,13 @@ class Engine:
         now = time.monotonic()
         ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
         gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
+        self.storage_tokens += req.cached_storage
         self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
                                     req.abort_message is not None)
         if self.args.log_requests:
-            log.info("rid=%s prompt=%d cached=%d (device %d, host %d) out=%d ttft=%s e2e=%.4f%s", req.rid,
-                     req.prompt_len, req.cached_tokens, req.cached_device, req.cached_host, gen,
+            log.info("rid=%s prompt=%d cached=%d (device %d, host %d, storage %d) out=%d ttft=%s e2e=%.4f%s",
+                     req.rid, req.prompt_len, req.cached_tokens, req.cached_device, req.cached_host,
+                     req.cached_storage, gen,
                      f"{ttft:.4f}" if ttft is not None else "-", now - req.arrival,
                      f" abort={req.abort_message!r}" if req.abort_message else "")
 

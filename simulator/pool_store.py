@@ -7,8 +7,8 @@ engine and a real one read each other's pool entries by name, and the L3 KV-even
 (``engine_patches/l3_events.py``) derives the same event hashes from them.
 
 The bytes are real (``page_size x kv_bytes_per_token`` per page, split K/V) so transfers
-cost what they cost on this box; the content is the digest repeated, which lets ``get``
-detect a key that came back with someone else's bytes.
+cost what they cost on this box; each object starts with the page digest (zeros after it),
+which lets ``get`` detect a key that came back with someone else's bytes.
 
 Every call here blocks (the Mooncake client is synchronous); async callers run them in a
 thread (``asyncio.to_thread``).
@@ -16,6 +16,7 @@ thread (``asyncio.to_thread``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -125,8 +126,11 @@ class PageStore:
         return base + "_k", base + "_v"
 
     def _value(self, digest: bytes) -> bytes:
-        reps = -(-self.half // len(digest))
-        return (digest * reps)[: self.half]
+        return (digest + bytes(max(0, self.half - len(digest))))[: self.half]
+
+    def _intact(self, value: bytes, digest: bytes) -> bool:
+        n = min(len(digest), self.half)
+        return len(value) == self.half and value[:n] == digest[:n]
 
     @property
     def page_bytes(self) -> int:
@@ -170,11 +174,33 @@ class PageStore:
         values = self._store.get_batch(keys)
         n = 0
         for i, d in enumerate(digests):
-            want = self._value(d)
-            if values[2 * i] != want or values[2 * i + 1] != want:
+            if not (self._intact(values[2 * i], d) and self._intact(values[2 * i + 1], d)):
                 break
             n += 1
         return n
+
+    def timed(self, fn, *args):
+        """``(result, seconds)`` of one call, timed inside the calling thread so that waiting
+        for an executor slot is not counted as transfer time."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+
+    def calibrate(self, pages: int = 64, rounds: int = 3) -> float:
+        """Bytes/s of an uncontended ``get_pages`` of ``pages`` pages on this box (median of
+        ``rounds``), with throwaway keys removed afterwards."""
+        digests = [hashlib.sha256(f"kvgate-calibrate-{os.getpid()}-{id(self)}-{i}".encode()).digest()
+                   for i in range(pages)]
+        if self.put_pages(digests) != pages:
+            raise ConnectionError("mooncake calibration put failed")
+        times = []
+        for _ in range(rounds):
+            n, dt = self.timed(self.get_pages, digests)
+            if n != pages:
+                raise ConnectionError("mooncake calibration get failed")
+            times.append(dt)
+        self.remove_pages(digests)
+        return pages * self.page_bytes / sorted(times)[len(times) // 2]
 
     def remove_pages(self, digests: Sequence[bytes]) -> int:
         """Remove pages (forced: a fresh object is under lease, plain remove answers -706)."""

@@ -4,10 +4,11 @@ What SGLang's HiCache does with ``--hicache-storage-backend mooncake``, and so t
 
 * **Backup.** Every page that reaches the host tier (on insert with ``write_through``, on
   device eviction with ``write_back``) is queued and put to the store by a background
-  task, batched; a host page evicted before its backup ran is put synchronously on the
-  way out (``RadixCache.evict`` writes it back into the storage tier). A page that made it
-  becomes storage-resident in the trie, which publishes ``BlockStored(medium="EXTERNAL")``
-  exactly as ``engine_patches/l3_events.py`` makes real SGLang do.
+  task, batched; a page that made it becomes storage-resident in the trie, which publishes
+  ``BlockStored(medium="EXTERNAL")`` exactly as ``engine_patches/l3_events.py`` makes real
+  SGLang do. A host page evicted before its backup ran is written back into the storage
+  tier by ``RadixCache.evict`` at once (so announced a few milliseconds before its put
+  lands) and its put goes to the front of the queue: the scheduler never waits on a put.
 * **Prefetch.** Before a request queues, the pages after its device/host prefix are looked
   up in the pool (``batch_is_exist``) and the leading hits fetched for real (``get_batch``,
   timed). Hits are recorded as storage-resident (``BlockStored EXTERNAL`` for pages another
@@ -18,14 +19,19 @@ What SGLang's HiCache does with ``--hicache-storage-backend mooncake``, and so t
   prefetch_timeout_per_ki_token * tokens/1024`` and credits the share loaded by then;
   ``best_effort`` queues at once and credits what was loaded when the scheduler admits it.
 
-Timing model (the choice the brief asked to document): a pool load costs, in simulated
-seconds, the wall time of the existence query as measured plus the wall time of the real
-``get_batch`` scaled by ``profile.kv_bytes_per_token / kv_bytes_per_token`` (the real model's
-KV bytes over the bytes really moved) and divided by ``--storage-speedup``. So the pool runs
-at the bandwidth really measured here (loopback TCP, ~0.2-1 GB/s for these object sizes)
-times the speedup; the default 5 stands for the step from loopback TCP to an RDMA Mooncake
-pool (~5 GB/s, the figure behind ``policies.cost``'s 40k tokens/s for an 8B model). The
-L2 -> L1 leg (host to GPU over PCIe) is then charged by the scheduler like any host hit.
+Timing model (a choice, documented here): a pool load costs, in simulated seconds, the
+measured wall time of the existence query plus the measured wall time of the real
+``get_batch`` times ``(profile.kv_bytes_per_token / kv_bytes_per_token) / speedup`` - the
+real model's KV bytes over the bytes really moved, at ``speedup`` times the bandwidth
+this box really delivered. Both are timed inside the transfer thread (executor queueing
+is not transfer time). ``--storage-speedup`` defaults to auto: at start each worker times
+an uncontended 64-page get and picks the speedup that maps that rate to
+``--storage-bandwidth-gbps`` (5 GB/s: an RDMA Mooncake pool, the figure behind
+``policies.cost``'s 40k tokens/s for an 8B model). So an uncontended load costs what 5 GB/s
+would, and one slowed by real contention here (other workers' backups, a busy CPU) costs
+proportionally more. Loopback measured here: ~0.1 GB/s at 64 B/token pages (per-object
+overhead dominates), ~0.3 at 256, ~0.9-1.3 at 1024, ~1.7-2 at 4096. The L2 -> L1 leg (host
+to GPU over PCIe) is then charged by the scheduler like any host hit.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,6 +85,9 @@ class PoolStats:
     fetched_pages: int = 0
     fetch_wall_s: float = 0.0
     fetch_bytes: int = 0
+    query_wall_s: float = 0.0
+    load_sim_s: float = 0.0  # what the loads were charged, simulated seconds
+    prefetch_wall_s: float = 0.0  # submit -> queued, wall (incl. the policy's wait)
 
 
 class PoolTier:
@@ -95,10 +105,12 @@ class PoolTier:
         self.publish = publish
         self.stats = PoolStats()
         self._backlog: dict[Node, None] = {}  # insertion-ordered set: parents before children
+        self._writeback: list[bytes] = []  # digests of pages already marked pooled, put pending
         self._wake = asyncio.Event()
         self._quiet = False  # set while this module itself adds storage residency
         self._digests: dict[int, bytes] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._fetcher = ThreadPoolExecutor(2, thread_name_prefix="pool-fetch")
         cache.on_tier_add = self._on_tier_add
 
     def start(self) -> None:
@@ -108,6 +120,7 @@ class PoolTier:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -121,17 +134,21 @@ class PoolTier:
             self._backlog[node] = None
             self._wake.set()
         elif tier == STORAGE and not self._quiet:
-            # evicted from host before its backup ran: write it out now, on the way down
+            # evicted from host before its backup ran: the trie already says "pooled"
             self._backlog.pop(node, None)
-            self.store.put_pages([self._digest_of(node)])
-            self.stats.backups += 1
-            self.stats.backup_pages += 1
+            self._writeback.append(self._digest_of(node))
+            self._wake.set()
 
     async def _backup_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._backlog:
+            while self._writeback or self._backlog:
+                if self._writeback:
+                    urgent, self._writeback = self._writeback, []
+                    for i in range(0, len(urgent), BACKUP_BATCH):
+                        await self._put(urgent[i:i + BACKUP_BATCH])
+                    continue
                 batch = []
                 for node in self._backlog:
                     batch.append(node)
@@ -142,18 +159,8 @@ class PoolTier:
                 live = [n for n in batch if n.present and not n.present & (1 << STORAGE)]
                 if not live:
                     continue
-                digests = [self._digest_of(n) for n in live]
-                t0 = time.monotonic()
-                try:
-                    ok = await asyncio.to_thread(self.store.put_pages, digests)
-                except Exception:
-                    log.exception("pool backup failed")
-                    ok = 0
-                self.stats.backup_wall_s += time.monotonic() - t0
-                if not ok:
+                if not await self._put([self._digest_of(n) for n in live]):
                     continue
-                self.stats.backups += 1
-                self.stats.backup_pages += ok
                 self._quiet = True
                 try:
                     for n in live:
@@ -161,6 +168,19 @@ class PoolTier:
                 finally:
                     self._quiet = False
                 self._flush_events()
+
+    async def _put(self, digests: list[bytes]) -> int:
+        t0 = time.monotonic()
+        try:
+            ok = await asyncio.to_thread(self.store.put_pages, digests)
+        except Exception:
+            log.exception("pool backup failed")
+            ok = 0
+        self.stats.backup_wall_s += time.monotonic() - t0
+        if ok:
+            self.stats.backups += 1
+            self.stats.backup_pages += ok
+        return ok
 
     def _digest_of(self, node: Node) -> bytes:
         """A page's SHA-256 chain digest (the pool key), rebuilt from the trie path; nodes
@@ -188,6 +208,7 @@ class PoolTier:
     # ---- prefetch ----------------------------------------------------------------------------
     async def prefetch(self, req, enqueue: Callable[[object], None]) -> None:
         """Look the request's uncached pages up in the pool, load the hits, then queue it."""
+        t0 = time.monotonic()
         try:
             wait = await self._prefetch(req)
         except Exception:
@@ -195,6 +216,7 @@ class PoolTier:
             wait = 0.0
         if wait > 0:
             await asyncio.sleep(wait)
+        self.stats.prefetch_wall_s += time.monotonic() - t0
         enqueue(req)
 
     async def _prefetch(self, req) -> float:
@@ -214,17 +236,19 @@ class PoolTier:
             return 0.0
         for h, d in zip(req.hashes[local:usable], tail):
             self._digests[h] = d
-        t0 = time.monotonic()
-        hit = await asyncio.to_thread(self.store.hit_prefix, tail)
-        t1 = time.monotonic()
-        got = await asyncio.to_thread(self.store.get_pages, tail[:hit]) if hit else 0
-        t2 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        # own thread: a load must not queue behind backups in the default executor
+        hit, query_s = await loop.run_in_executor(self._fetcher, self.store.timed, self.store.hit_prefix, tail)
+        got, get_s = 0, 0.0
+        if hit:
+            got, get_s = await loop.run_in_executor(self._fetcher, self.store.timed, self.store.get_pages, tail[:hit])
         st = self.stats
         st.queries += 1
         st.hit_pages += hit
         st.fetched_pages += got
-        st.fetch_wall_s += t2 - t1
+        st.fetch_wall_s += get_s
         st.fetch_bytes += hit * self.store.page_bytes
+        st.query_wall_s += query_s
         if req.state != WAITING:  # aborted meanwhile
             return 0.0
         parent = m.nodes[local - 1] if local else None
@@ -240,7 +264,8 @@ class PoolTier:
             if n.present & (1 << STORAGE):
                 self.cache.drop_tier(n, STORAGE)  # announced earlier, gone from the pool now
         self._flush_events()
-        load_s = (t1 - t0) + (t2 - t1) * self.scale
+        load_s = query_s + get_s * self.scale
+        st.load_sim_s += load_s
         limit = float("inf")
         if self.policy == "timeout":
             limit = self.timeout_base + self.timeout_per_ki * req.prompt_len / 1024
