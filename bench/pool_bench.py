@@ -18,47 +18,19 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 from simulator.cluster import SimCluster
+from tests.support import Proc, free_port
 
 from .replay import replay
 from .trace import load_trace, oracle_hit_rate
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def run_mode(pool: bool, a: argparse.Namespace) -> dict:
@@ -67,15 +39,12 @@ def run_mode(pool: bool, a: argparse.Namespace) -> dict:
               "--hicache-storage-prefetch-policy", a.prefetch_policy]
     records = load_trace(a.trace, a.limit)
     with SimCluster(workers=a.workers, engine_args=engine, pool=pool, pool_segment=a.pool_segment) as cluster:
-        port = _free_port()
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        log = tempfile.NamedTemporaryFile(prefix="kvgate-poolbench-gw-", suffix=".log", delete=False)
-        gw = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-                               "--worker-urls", *cluster.urls, "--policy", a.policy, "--tokenizer", "byte"],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        port = free_port()
+        gw = Proc.python("gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                         *cluster.urls, "--policy", a.policy, "--tokenizer", "byte", name="gateway")
         try:
             base = f"http://127.0.0.1:{port}"
-            _wait(base + "/readiness", gw)
+            gw.wait_http(base + "/readiness", timeout=60)
             time.sleep(1.0)  # let the policy subscribe to every worker's KV events
             result = asyncio.run(replay(records, base, api="generate", speedup=a.time_scale,
                                         max_tokens_cap=a.max_tokens_cap, time_scale=a.time_scale))
@@ -84,8 +53,7 @@ def run_mode(pool: bool, a: argparse.Namespace) -> dict:
                 for k, v in (_get_json(u + "/server_info")["simulator"].get("pool") or {}).items():
                     stats[k] = stats.get(k, 0) + v
         finally:
-            os.killpg(gw.pid, signal.SIGTERM)
-            gw.wait(10)
+            gw.stop()
     s = result.summary()
     s["pool"] = stats
     return s

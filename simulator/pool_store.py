@@ -159,12 +159,7 @@ class PageStore:
             return 0
         keys = [k for d in digests for k in self.keys(d)]
         found = self._store.batch_is_exist(keys)
-        n = 0
-        for i in range(len(digests)):
-            if found[2 * i] != 1 or found[2 * i + 1] != 1:
-                break
-            n += 1
-        return n
+        return _leading(found[2 * i] == 1 and found[2 * i + 1] == 1 for i in range(len(digests)))
 
     def get_pages(self, digests: Sequence[bytes]) -> int:
         """Fetch pages into local memory; returns the leading run that came back intact."""
@@ -172,12 +167,8 @@ class PageStore:
             return 0
         keys = [k for d in digests for k in self.keys(d)]
         values = self._store.get_batch(keys)
-        n = 0
-        for i, d in enumerate(digests):
-            if not (self._intact(values[2 * i], d) and self._intact(values[2 * i + 1], d)):
-                break
-            n += 1
-        return n
+        return _leading(self._intact(values[2 * i], d) and self._intact(values[2 * i + 1], d)
+                        for i, d in enumerate(digests))
 
     def timed(self, fn, *args):
         """``(result, seconds)`` of one call, timed inside the calling thread so that waiting
@@ -209,3 +200,13 @@ class PageStore:
             if all(self._store.remove(k, True) == 0 for k in self.keys(d)):
                 removed += 1
         return removed
+
+
+def _leading(flags) -> int:
+    """Length of the leading run of true flags: a hole ends a usable prefix."""
+    n = 0
+    for ok in flags:
+        if not ok:
+            break
+        n += 1
+    return n

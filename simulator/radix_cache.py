@@ -127,11 +127,7 @@ class RadixCache:
         now = self.clock()
         path: list[Node] = []
         for i, h in enumerate(hashes):
-            child = node.children.get(h)
-            if child is None:
-                child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1)
-                child.salt = salt
-                node.children[h] = child
+            child = self._child(node, h, tokens[i * ps:(i + 1) * ps], salt)
             child.last_access = now
             if not child.present & 1:
                 self._add(child, DEVICE)
@@ -159,11 +155,7 @@ class RadixCache:
         node = start or self.root
         path: list[Node] = []
         for i, h in enumerate(hashes):
-            child = node.children.get(h)
-            if child is None:
-                child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1)
-                child.salt = salt
-                node.children[h] = child
+            child = self._child(node, h, tokens[i * ps:(i + 1) * ps], salt)
             if not child.present & (1 << tier):
                 self._add(child, tier)
             path.append(child)
@@ -249,6 +241,15 @@ class RadixCache:
         return ev
 
     # ---- internals -------------------------------------------------------------------
+    @staticmethod
+    def _child(node: Node, h: int, tokens: Sequence[int], salt: str | None) -> Node:
+        child = node.children.get(h)
+        if child is None:
+            child = Node(h, node, tuple(tokens), node.depth + 1)
+            child.salt = salt
+            node.children[h] = child
+        return child
+
     def _add(self, node: Node, tier: int) -> None:
         node.present |= 1 << tier
         self.tiers[tier].used_tokens += self.page_size
