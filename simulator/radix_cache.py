@@ -227,7 +227,10 @@ class RadixCache:
         return freed
 
     def reset(self) -> None:
-        """Drop everything (``/flush_cache``); callers guarantee nothing is locked."""
+        """Drop everything (``/flush_cache``); callers guarantee nothing is locked. Dropped
+        nodes read as in no tier, so a backup still in flight cannot re-add one."""
+        for n in self.iter_nodes():
+            n.present = 0
         self.root.children.clear()
         for t in self.tiers:
             t.used_tokens = 0

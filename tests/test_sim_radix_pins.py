@@ -22,3 +22,12 @@ def test_pinned_lower_tier_pages_do_not_count_as_locked_device_tokens():
     assert cache.locked_tokens == 16  # a is on the device now, and pinned
     cache.unlock(m.last)
     assert cache.locked_tokens == 0
+
+
+def test_flush_leaves_no_node_a_late_backup_could_revive():
+    cache = RadixCache(4, build_tiers(16, 64, 1 << 20))
+    a = list(range(16))
+    path = cache.insert(page_hashes(a, 4), a)
+    cache.reset()
+    assert not cache.add_tier(path[-1], 2)  # the pool backup of a flushed page lands nowhere
+    assert cache.tiers[2].used_tokens == 0
