@@ -158,9 +158,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_args += ["--time-scale", str(args.time_scale)]
     if args.pd:
         cluster = SimCluster(workers=0, prefill=args.prefill_workers, decode=args.decode_workers,
-                             engine_args=engine_args, kv_events=args.kv_events)
+                             engine_args=engine_args, kv_events=args.kv_events, pool=args.pool)
     else:
-        cluster = SimCluster(workers=args.workers, engine_args=engine_args, kv_events=args.kv_events)
+        cluster = SimCluster(workers=args.workers, engine_args=engine_args, kv_events=args.kv_events, pool=args.pool)
     cluster.start()
     try:
         specs = [WorkerSpec(url=u) for u in cluster.urls]
@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_up.add_argument("--prefill-workers", type=int, default=2)
     p_up.add_argument("--decode-workers", type=int, default=2)
     p_up.add_argument("--kv-events", action="store_true", help="workers publish KV events (for --policy kv_events)")
+    p_up.add_argument("--pool", action="store_true",
+                      help="start a mooncake_master and give the workers a shared HiCache L3 pool (Mooncake Store)")
     p_up.set_defaults(func=cmd_up)
     sub.add_parser("sim", help="start simulated SGLang workers (see 'kvgate sim --help')", add_help=False)
     p_pol = sub.add_parser("policies", help="list routing policies")

@@ -104,11 +104,16 @@ class SimCluster:
 
     KV events are on by default (one PUB + replay socket per worker, listed in
     ``kv_event_endpoints``) because precise cache-aware routing needs them.
+
+    ``pool=True`` starts a ``mooncake_master`` on free ports first and points every worker
+    at it (``--hicache-storage-backend mooncake``), so the fleet shares one HiCache L3 pool;
+    each worker lends ``pool_segment`` of its memory to it.
     """
 
     def __init__(self, workers: int = 4, prefill: int = 0, decode: int = 0, host: str = "127.0.0.1",
                  base_port: int | None = None, engine_args: Sequence[str] = (), startup_timeout: float = 30,
-                 kv_events: bool = True, log_dir: str | None = None) -> None:
+                 kv_events: bool = True, log_dir: str | None = None, pool: bool = False,
+                 pool_segment: str = "64mb") -> None:
         self.n_unified, self.n_prefill, self.n_decode = workers, prefill, decode
         self.host = host
         self.base_port = base_port
@@ -123,6 +128,8 @@ class SimCluster:
         self.decode: list[str] = []
         self.kv_event_endpoints: dict[str, str] = {}
         self._workers: list[_Worker] = []
+        self.pool, self.pool_segment = pool, pool_segment
+        self.master = None  # pool_master.MooncakeMaster when pool=True
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _port(self, offset: int) -> int:
@@ -133,12 +140,19 @@ class SimCluster:
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["PYTHONUNBUFFERED"] = "1"
         roles = ["prefill"] * self.n_prefill + ["decode"] * self.n_decode + ["unified"] * self.n_unified
+        pool_args: list[str] = []
         try:
+            if self.pool:
+                from .pool_master import MooncakeMaster
+
+                self.master = MooncakeMaster(self.host, log_dir=str(self.log_dir)).start()
+                pool_args = ["--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config",
+                             json.dumps(self.master.extra_config(self.pool_segment))]
             for i, role in enumerate(roles):
                 port = self._port(i)
                 url = f"http://{self.host}:{port}"
                 args = [sys.executable, "-m", "simulator", "serve", "--host", self.host, "--port", str(port),
-                        *self.engine_args]
+                        *self.engine_args, *(pool_args if role != "decode" else ())]
                 bootstrap = kv = None
                 if role != "unified":
                     args += ["--disaggregation-mode", role]
@@ -199,6 +213,9 @@ class SimCluster:
         for w in self._workers:
             w.stop()
         self._workers.clear()
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
 
     def alive(self) -> list[str]:
         return [w.url for w in self._workers if w.popen.poll() is None]

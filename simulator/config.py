@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hicache-ratio", type=float, default=None, help="host pool = ratio x device pool")
     p.add_argument("--hicache-size", type=float, default=None, help="host pool in GB (uses KV bytes/token)")
     p.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"])
+    p.add_argument("--hicache-storage-backend", default=None, choices=["mooncake"],
+                   help="HiCache L3: a real Mooncake Store shared by the workers (implies hierarchical cache)")
+    p.add_argument("--hicache-storage-backend-extra-config", default=None,
+                   help="JSON: master_server_address, metadata_server, global_segment_size, protocol, "
+                        "device_name[, prefetch_timeout_base, prefetch_timeout_per_ki_token]; "
+                        "MOONCAKE_* env vars fill what it leaves out")
+    p.add_argument("--hicache-storage-prefetch-policy", default="best_effort",
+                   choices=["best_effort", "wait_complete", "timeout"])
+    p.add_argument("--storage-speedup", type=float, default=None,
+                   help="simulator only: pool loads take the measured get time scaled to the profile's KV "
+                        "bytes, divided by this (default: calibrated at start to --storage-bandwidth-gbps)")
+    p.add_argument("--storage-bandwidth-gbps", type=float, default=5.0,
+                   help="simulator only: what an uncontended pool load should run at (RDMA Mooncake pool)")
     # KV events
     p.add_argument("--kv-events-port", type=int, default=None, help="shortcut for a zmq publisher on this port")
     p.add_argument("--kv-events-config", default=None, help="SGLang's JSON kv-events config")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import random
@@ -34,6 +35,9 @@ from .radix_cache import RadixCache, build_tiers
 from .scheduler import FINISHED, Req, Scheduler
 
 log = logging.getLogger("simulator")
+# The storage tier in a worker's trie is its view of the shared pool, which the master
+# bounds and evicts; locally it never fills.
+POOL_VIEW_TOKENS = 1 << 40
 
 
 class ApiError(Exception):
@@ -88,11 +92,14 @@ class Engine:
         self.ranks: list[Rank] = []
         self._next_rank = 0
         self.pd = None  # set by server for PD roles
+        self.page_store = None  # pool_store.PageStore with --hicache-storage-backend mooncake
+        self.storage_tokens = 0  # prompt tokens served from the pool
+        self.storage_speedup: float | None = None
 
     @property
     def host_tokens(self) -> int:
         a = self.args
-        if not (a.enable_hierarchical_cache or a.hicache_ratio or a.hicache_size):
+        if not (a.enable_hierarchical_cache or a.hicache_ratio or a.hicache_size or a.hicache_storage_backend):
             return 0
         if a.hicache_size:
             return int(a.hicache_size * 1e9 / self.profile.kv_bytes_per_token)
@@ -105,8 +112,10 @@ class Engine:
         publisher on port base + rank), like SGLang's data parallelism without DP attention.
         """
         self.cost = CostModel(self.profile)
+        self.page_store = await self._connect_pool() if self.args.hicache_storage_backend else None
         for rank in range(max(1, self.args.dp_size)):
-            tiers = build_tiers(self.profile.max_total_num_tokens, self.host_tokens)
+            tiers = build_tiers(self.profile.max_total_num_tokens, self.host_tokens,
+                                POOL_VIEW_TOKENS if self.page_store else 0)
             cache = RadixCache(self.page_size, tiers, write_through=self.args.hicache_write_policy == "write_through",
                                clock=time.monotonic, emit_events=self.args.kv_events is not None)
             publisher = None
@@ -122,6 +131,9 @@ class Engine:
                 policy=self.args.schedule_policy, priority=self.args.enable_priority_scheduling,
                 low_priority_values_first=self.args.schedule_low_priority_values_first,
             )
+            if self.page_store is not None:
+                sched.pool = self._pool_tier(cache, publisher)
+                sched.pool.start()
             sched.start()
             self.ranks.append(Rank(rank, cache, sched, publisher))
         self.scheduler, self.cache, self.publisher = self.ranks[0].scheduler, self.ranks[0].cache, self.ranks[0].publisher
@@ -130,8 +142,39 @@ class Engine:
     async def stop(self) -> None:
         for r in self.ranks:
             await r.scheduler.stop()
+            if r.scheduler.pool is not None:
+                await r.scheduler.pool.stop()
             if r.publisher:
                 await r.publisher.close()
+        if self.page_store is not None:
+            await asyncio.to_thread(self.page_store.close)
+
+    async def _connect_pool(self):
+        """Join the Mooncake Store named by the extra config (or MOONCAKE_* env vars)."""
+        from .pool_store import PageStore, StoreConfig
+
+        cfg = StoreConfig.from_extra_config(self.args.hicache_storage_backend_extra_config)
+        store = PageStore(cfg, self.page_size * self.args.kv_bytes_per_token)
+        await asyncio.to_thread(store.connect)
+        self.storage_speedup = self.args.storage_speedup
+        if self.storage_speedup is None:
+            measured = await asyncio.to_thread(store.calibrate)
+            self.storage_speedup = self.args.storage_bandwidth_gbps * 1e9 / measured
+        log.info("HiCache storage: mooncake master %s, segment %d MiB, page %d bytes, speedup %.2f",
+                 cfg.master_server_address, cfg.global_segment_size >> 20, store.page_bytes, self.storage_speedup)
+        return store
+
+    def _pool_tier(self, cache: RadixCache, publisher: KVEventPublisher | None):
+        from .pool_tier import PoolTier
+
+        extra = json.loads(self.args.hicache_storage_backend_extra_config or "{}")
+        return PoolTier(self.page_store, cache, self.clock, page_size=self.page_size,
+                        policy=self.args.hicache_storage_prefetch_policy,
+                        bytes_ratio=self.profile.kv_bytes_per_token / self.args.kv_bytes_per_token,
+                        speedup=self.storage_speedup,
+                        timeout_base=float(extra.get("prefetch_timeout_base", 1.0)),
+                        timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.25)),
+                        publish=publisher.publish if publisher else None)
 
     # ---- ranks -------------------------------------------------------------------------
     def sched_of(self, req: Req) -> Scheduler:
@@ -147,6 +190,19 @@ class Engine:
         if any(r.scheduler.busy() for r in self.ranks):
             return False
         return all(r.scheduler.flush() for r in self.ranks)
+
+    def pool_stats(self) -> dict | None:
+        """The Mooncake pool traffic of all ranks (``/server_info``, benchmarks)."""
+        if self.page_store is None:
+            return None
+        from dataclasses import asdict
+
+        out: dict[str, float] = {"credited_tokens": self.storage_tokens}
+        for r in self.ranks:
+            for k, v in asdict(r.scheduler.pool.stats).items():
+                out[k] = out.get(k, 0) + v
+        out["speedup"] = self.storage_speedup
+        return out
 
     def host_tier(self) -> tuple[int, int]:
         """(used, capacity) of the HiCache host pools, summed over ranks."""
@@ -265,11 +321,13 @@ class Engine:
         now = time.monotonic()
         ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
         gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
+        self.storage_tokens += req.cached_storage
         self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
                                     req.abort_message is not None)
         if self.args.log_requests:
-            log.info("rid=%s prompt=%d cached=%d (device %d, host %d) out=%d ttft=%s e2e=%.4f%s", req.rid,
-                     req.prompt_len, req.cached_tokens, req.cached_device, req.cached_host, gen,
+            log.info("rid=%s prompt=%d cached=%d (device %d, host %d, storage %d) out=%d ttft=%s e2e=%.4f%s",
+                     req.rid, req.prompt_len, req.cached_tokens, req.cached_device, req.cached_host,
+                     req.cached_storage, gen,
                      f"{ttft:.4f}" if ttft is not None else "-", now - req.arrival,
                      f" abort={req.abort_message!r}" if req.abort_message else "")
 
@@ -294,7 +352,7 @@ class Engine:
         fr = self.finish_reason(req, n) if finished else None
         details = {"device": req.cached_device, "host": req.cached_host}
         if len(self.cache.tiers) > 2:
-            details["storage"] = 0
+            details["storage"] = req.cached_storage
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": fr,

@@ -148,7 +148,8 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "hicache_ratio": a.hicache_ratio,
         "hicache_size": a.hicache_size,
         "hicache_write_policy": a.hicache_write_policy,
-        "hicache_storage_backend": None,
+        "hicache_storage_backend": a.hicache_storage_backend,
+        "hicache_storage_prefetch_policy": a.hicache_storage_prefetch_policy,
         "disaggregation_mode": a.disaggregation_mode,
         "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
         "disaggregation_transfer_backend": a.disaggregation_transfer_backend,
@@ -161,7 +162,8 @@ def server_info(engine: Engine) -> dict[str, Any]:
                       "busy_sim_s": sum(r.scheduler.busy_sim for r in engine.ranks),
                       # > 0 means this process could not keep up with --time-scale (CPU-bound):
                       # lower the time scale for faithful latencies
-                      "max_lag_sim_s": max(r.scheduler.max_lag_sim for r in engine.ranks)},
+                      "max_lag_sim_s": max(r.scheduler.max_lag_sim for r in engine.ranks),
+                      "pool": engine.pool_stats()},
         "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }

@@ -83,6 +83,9 @@ class RadixCache:
     clock: Callable[[], float] = lambda: 0.0
     events: list[Event] = field(default_factory=list)
     emit_events: bool = True
+    # called as (node, tier) whenever a page lands in a tier: the pool tier backs host pages
+    # up to the Mooncake Store from here (``pool_tier.PoolTier``)
+    on_tier_add: Callable[[Node, int], None] | None = None
 
     def __post_init__(self) -> None:
         self.root = Node(None, None, (), 0, len(self.tiers))
@@ -129,11 +132,7 @@ class RadixCache:
         now = self.clock()
         path: list[Node] = []
         for i, h in enumerate(hashes):
-            child = node.children.get(h)
-            if child is None:
-                child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1, len(self.tiers))
-                child.salt = salt
-                node.children[h] = child
+            child = self._child(node, h, tokens[i * ps:(i + 1) * ps], salt)
             child.last_access = now
             if not child.present & 1:
                 self._add(child, DEVICE)
@@ -153,6 +152,35 @@ class RadixCache:
                 loaded += self.page_size
         return loaded
 
+    def mark(self, hashes: Sequence[int], tokens: Sequence[int], tier: int, start: Node | None = None,
+             salt: str | None = None) -> list[Node]:
+        """Record pages as resident in a lower ``tier`` only (pool pages another engine wrote),
+        below ``start``, which must be present in some tier; returns the path."""
+        ps = self.page_size
+        node = start or self.root
+        path: list[Node] = []
+        for i, h in enumerate(hashes):
+            child = self._child(node, h, tokens[i * ps:(i + 1) * ps], salt)
+            if not child.present & (1 << tier):
+                self._add(child, tier)
+            path.append(child)
+            node = child
+        return path
+
+    def add_tier(self, node: Node, tier: int) -> bool:
+        """Add a live page to ``tier`` (a finished backup); False if it left the trie meanwhile."""
+        if not node.present or node.present & (1 << tier):
+            return False
+        self._add(node, tier)
+        return True
+
+    def drop_tier(self, node: Node, tier: int) -> bool:
+        """Forget that ``tier`` holds the page (the pool evicted it)."""
+        if not node.present & (1 << tier):
+            return False
+        self._remove(node, tier)
+        return True
+
     def lock(self, node: Node | None) -> None:
         self._lock_path(node, None)
 
@@ -163,11 +191,15 @@ class RadixCache:
             self.unlock(old)
 
     def _lock_path(self, node: Node | None, stop: Node | None) -> Node | None:
-        """Lock ``node`` and its ancestors below ``stop``; returns where the walk ended."""
+        """Lock ``node`` and its ancestors below ``stop``; returns where the walk ended.
+        ``locked_tokens`` counts only pinned pages *on the device* (the part eviction cannot
+        free): a request whose prefix waits in host or pool memory pins those pages too, and
+        counting them would make ``evictable_tokens`` too small to ever admit it."""
         while node is not None and node is not stop and node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
-                self.locked_tokens += self.page_size
+                if node.present & 1:
+                    self.locked_tokens += self.page_size
                 self._refresh(node)
             node = node.parent
         return node
@@ -177,7 +209,8 @@ class RadixCache:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unbalanced unlock"
             if node.lock_ref == 0:
-                self.locked_tokens -= self.page_size
+                if node.present & 1:
+                    self.locked_tokens -= self.page_size
                 self._refresh(node)
             node = node.parent
 
@@ -210,8 +243,11 @@ class RadixCache:
         return freed
 
     def reset(self) -> None:
-        """Drop everything (``/flush_cache``); callers guarantee nothing is locked."""
-        for n in list(self.iter_nodes()):  # unlink so refcounting frees the tree
+        """Drop everything (``/flush_cache``); callers guarantee nothing is locked. Dropped
+        nodes are unlinked (so refcounting frees the tree) and read as in no tier, so a pool
+        backup still in flight cannot re-add one."""
+        for n in list(self.iter_nodes()):
+            n.present = 0
             n.parent = None
             n.children = {}
         self.root.children.clear()
@@ -241,9 +277,19 @@ class RadixCache:
                 if was != now:
                     kids[t] += 1 if now else -1
 
+    def _child(self, node: Node, h: int, tokens: Sequence[int], salt: str | None) -> Node:
+        child = node.children.get(h)
+        if child is None:
+            child = Node(h, node, tuple(tokens), node.depth + 1, len(self.tiers))
+            child.salt = salt
+            node.children[h] = child
+        return child
+
     def _add(self, node: Node, tier: int) -> None:
         self._set_present(node, node.present | 1 << tier)
         self.tiers[tier].used_tokens += self.page_size
+        if tier == DEVICE and node.lock_ref:  # a pinned page loaded back (promote)
+            self.locked_tokens += self.page_size
         medium = self.tiers[tier].medium
         if self.emit_events and medium is not None:
             parent = node.parent
@@ -252,6 +298,8 @@ class RadixCache:
                 token_ids=list(node.tokens), block_size=len(node.tokens), lora_id=None, medium=medium,
                 cache_salt=node.salt,
             ))
+        if self.on_tier_add is not None:
+            self.on_tier_add(node, tier)
         self._refresh(node)
         if node.parent is not None and node.parent is not self.root:
             self._refresh(node.parent)
@@ -321,8 +369,11 @@ class RadixCache:
             stack.extend(n.children.values())
 
 
-def build_tiers(device_tokens: int, host_tokens: int = 0) -> list[Tier]:
+def build_tiers(device_tokens: int, host_tokens: int = 0, storage_tokens: int = 0) -> list[Tier]:
+    """Storage (the shared Mooncake pool) needs the host tier in front of it, as in HiCache."""
     tiers = [Tier("device", device_tokens, "GPU")]
     if host_tokens > 0:
         tiers.append(Tier("host", host_tokens, "CPU_PINNED"))
+        if storage_tokens > 0:
+            tiers.append(Tier("storage", storage_tokens, "EXTERNAL"))
     return tiers

@@ -50,6 +50,8 @@ class Req:
     hashes: list[int] | None = None
     cached_device: int = 0
     cached_host: int = 0
+    cached_storage: int = 0  # loaded from the Mooncake pool (HiCache L3)
+    pool: object = None  # pool_tier.Prefetch, when a storage backend is on
     extended: int = 0
     node: object = None
     locked_len: int = 0
@@ -73,7 +75,7 @@ class Req:
 
     @property
     def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host
+        return self.cached_device + self.cached_host + self.cached_storage
 
 
 class Scheduler:
@@ -117,6 +119,8 @@ class Scheduler:
         self.max_lag_sim = 0.0
         self._lag_warned = -1e9
         self._task: asyncio.Task | None = None
+        self.pool = None  # pool_tier.PoolTier: requests visit the Mooncake pool before queueing
+        self._prefetching: set[asyncio.Task] = set()
 
     # ---- public API ----------------------------------------------------------------
     def start(self) -> None:
@@ -145,11 +149,24 @@ class Scheduler:
         self.reqs[req.rid] = req
         if req.prefilled:
             self.ready.append(req)
+        elif self.pool is not None and req.use_cache:
+            self._hash_prompt(req)
+            task = asyncio.get_running_loop().create_task(self.pool.prefetch(req, self._enqueue))
+            self._prefetching.add(task)
+            task.add_done_callback(self._prefetching.discard)
+            return req
         else:
             self.waiting.append(req)
             self._unsorted = True
         self._wake.set()
         return req
+
+    def _enqueue(self, req: Req) -> None:
+        """A request back from its pool prefetch joins the queue, unless aborted meanwhile."""
+        if req.state == WAITING and req.rid in self.reqs:
+            self.waiting.append(req)
+            self._unsorted = True
+            self._wake.set()
 
     def tick(self) -> asyncio.Future:
         """A future resolved at the next wall-clock instant the scheduler yields.
@@ -291,6 +308,8 @@ class Scheduler:
         m = None
         if r.use_cache:
             m = self.cache.match(r.hashes[: (r.prompt_len - 1) // ps])  # always extend >= 1 token
+            if self.pool is not None:
+                m = self.pool.limit(m, r, self.sim_now)
             self.cache.lock(m.last)
         cached_pages = m.pages if m else 0
         host_pages = cached_pages - (m.per_tier[0] if m else 0)
@@ -305,7 +324,9 @@ class Scheduler:
         r.node = m.last if m else None
         r.locked_len = cached
         r.cached_device = (m.per_tier[0] if m else 0) * ps
-        r.cached_host = host_pages * ps
+        storage_pages = m.per_tier[2] if m and len(m.per_tier) > 2 else 0
+        r.cached_host = (host_pages - storage_pages) * ps
+        r.cached_storage = storage_pages * ps
         r.extended = cached
         r.state = PREFILL
         self.private_prompt += r.prompt_len - cached
