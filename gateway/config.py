@@ -26,7 +26,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     workers: list[WorkerSpec] = field(default_factory=list)
-    policy: str = "round_robin"
+    policy: str = "cost"  # lowest predicted TTFT; won bench/RESULTS.md "Routing quality"
     policy_options: dict[str, Any] = field(default_factory=dict)
     # PD disaggregation (see gateway.pd)
     pd_disaggregation: bool = False

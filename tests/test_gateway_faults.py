@@ -114,7 +114,7 @@ def test_client_disconnect_cancels_the_upstream_request(start_sim, start_gateway
 def test_workers_added_and_removed_at_runtime(start_sim, start_gateway):
     a = start_sim("--time-scale", "20", name="a")
     b = start_sim("--time-scale", "20", name="b")
-    gw = start_gateway(a.url)
+    gw = start_gateway(a.url, args=("--policy", "round_robin"))  # the split below is round robin's
     status, data = request_json("POST", gw.url + "/workers", {"url": b.url})
     assert status == 201 and data["healthy"] is True
     assert request_json("POST", gw.url + "/workers", {"url": b.url})[0] == 409

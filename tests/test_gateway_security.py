@@ -103,7 +103,7 @@ def test_keys_never_reach_the_logs(start_sim, start_gateway):
     failing = start_sim("--time-scale", "50", "--fault-fail-rate", "1.0", name="failing")
     gw = start_gateway(sim.url, args=("--api-key", secrets["data"], "--admin-api-key", secrets["admin"],
                                       "--worker-api-key", secrets["worker"], "--log-level", "debug",
-                                      "--max-retries", "1"))
+                                      "--max-retries", "1", "--policy", "round_robin"))  # reaches the failing worker
     chat = gw.url + "/v1/chat/completions"
     assert call("POST", chat, secrets["data"], CHAT)[0] == 200
     assert call("POST", chat, secrets["data"], {**CHAT, "stream": True})[0] == 200
