@@ -121,6 +121,15 @@ async def ready(request: web.Request) -> web.Response:
     return json_response({"status": "ready"} if engine.ready else {"status": "starting"}, 200 if engine.ready else 503)
 
 
+def scheduler_stats(engine: Engine) -> dict[str, float]:
+    """Simulated GPU busy time and how far the scheduler fell behind ``--time-scale``
+    (benchmarks check these to tell a loaded GPU from a starved CPU)."""
+    s = getattr(engine, "scheduler", None)
+    if s is None:
+        return {}
+    return {"forward_steps": s.forward_steps, "busy_s": s.busy_sim, "lag_max_s": s.lag_max_s, "lag_sum_s": s.lag_sum_s}
+
+
 def server_info(engine: Engine) -> dict[str, Any]:
     a, p = engine.args, engine.profile
     info: dict[str, Any] = {
@@ -152,7 +161,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "version": engine.version,
         "time_scale": a.time_scale,
         "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
-                      "host_pool_tokens": engine.host_tokens},
+                      "host_pool_tokens": engine.host_tokens, **scheduler_stats(engine)},
         "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }

@@ -101,6 +101,10 @@ class Scheduler:
         self._last_yield = time.monotonic()
         self.forward_steps = 0
         self.busy_sim = 0.0
+        # How far simulated time fell behind the clock (simulated seconds): a CPU-starved
+        # process cannot keep up with --time-scale, and every latency it reports grows.
+        self.lag_max_s = 0.0
+        self.lag_sum_s = 0.0
         self._task: asyncio.Task | None = None
 
     # ---- public API ----------------------------------------------------------------
@@ -196,6 +200,11 @@ class Scheduler:
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = self.clock.wall_at(sim_t) - time.monotonic()
+        if delay < 0:
+            lag = -delay * self.clock.scale
+            self.lag_sum_s += lag
+            if lag > self.lag_max_s:
+                self.lag_max_s = lag
         if delay > 0.0005:
             self._notify()
             await asyncio.sleep(delay)
