@@ -107,12 +107,16 @@ def offered_load(records: list[TraceRecord], profile: str, workers: int, arrival
     """
     cm = CostModel(get_profile(profile))
     span = (records[-1].timestamp - records[0].timestamp) / 1000.0 / arrival_speedup
-    cold = sum(cm.prefill_time(r.input_length) for r in records)
+    floor = sorted(cm.prefill_time(r.input_length) for r in records)
+    cold = sum(floor)
     warm = sum(cm.prefill_time(round(r.input_length * (1 - hit_rate)), round(r.input_length * hit_rate))
                for r in records)
     return {"span_s": span, "req_per_s": len(records) / span if span else 0.0,
             "prefill_load_no_cache": cold / (span * workers) if span else 0.0,
-            "prefill_load_at_bounded_oracle": warm / (span * workers) if span else 0.0}
+            "prefill_load_at_bounded_oracle": warm / (span * workers) if span else 0.0,
+            # TTFT with an idle GPU and no cache: what no router can beat (long prompts)
+            "ttft_floor_mean_s": cold / len(records), "ttft_floor_p50_s": floor[len(floor) // 2],
+            "ttft_floor_p99_s": floor[int(0.99 * (len(floor) - 1))]}
 
 
 # ---- one run --------------------------------------------------------------------------------------
@@ -172,6 +176,11 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
     # median TTFT, or a client that could not send on time, changes what is measured.
     lagged = (lag_mean > max(a.lag_tolerance_s / 5, 0.01 * ttft_p50) or lag_max > max(a.lag_tolerance_s, 0.5 * ttft_p50)
               or delay_p99 > a.lag_tolerance_s)
+    # TTFT minus what this request's own prefill costs on an idle GPU with the cache it got:
+    # the time it spent queued behind others, which is what routing controls.
+    cm = CostModel(get_profile(a.profile))
+    waits = sorted(r.ttft_s * ts - cm.prefill_time(r.prompt_tokens - r.cached_tokens, r.cached_tokens)
+                   for r in res.rows if r.ok and r.ttft_s is not None)
     p = run["policy_stats"]
     out = {
         "label": run["spec"].label, "router": run["spec"].router, "policy": run["spec"].policy,
@@ -179,6 +188,9 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "oracle_hit_rate": oracle, "bounded_oracle_hit_rate": bounded,
         "hit_vs_oracle": s["hit_rate"] / oracle if oracle else None,
         "hit_vs_bounded": s["hit_rate"] / bounded if bounded else None,
+        "wait_mean_s": sum(waits) / len(waits) if waits else None,
+        "wait_p50_s": waits[len(waits) // 2] if waits else None,
+        "wait_p99_s": waits[int(0.99 * (len(waits) - 1))] if waits else None,
         "worker_requests": reqs, "worker_prompt_tokens": prompt, "worker_prefill_tokens": prefill,
         "req_imbalance": imbalance(reqs), "prompt_imbalance": imbalance(prompt), "prefill_imbalance": imbalance(prefill),
         "engine_hit_rate": sum(w["cached_tokens"] for w in ws) / sum(prompt) if sum(prompt) else 0.0,
@@ -218,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lag-tolerance-s", type=float, default=0.1, help="simulated seconds of lag that still count as sound")
     p.add_argument("--quick", action="store_true", help="200 requests: a few minutes, for iteration")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quality"))
+    p.add_argument("--notes", default=str(ROOT / "bench" / "quality_notes.md"),
+                   help="markdown (analysis written by hand) appended to the RESULTS.md section when it exists")
     p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md and bench/results/")
     return p
 
@@ -255,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.workers} x {a.profile}, time-scale {a.time_scale:g}, arrivals x{a.arrival_speedup:g}; "
           f"offered prefill load {load['prefill_load_no_cache']:.0%} of the fleet with no cache, "
           f"{load['prefill_load_at_bounded_oracle']:.0%} at the bounded-oracle hit rate; "
-          f"oracle hit rate {oracle:.3f}, bounded ({capacity} tokens) {bounded:.3f}", flush=True)
+          f"oracle hit rate {oracle:.3f}, bounded ({capacity} tokens) {bounded:.3f}; TTFT floor (idle GPU, no cache) "
+          f"mean {load['ttft_floor_mean_s']:.3f}s p99 {load['ttft_floor_p99_s']:.3f}s", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, runs = [], []
@@ -275,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_outputs(out, meta, rows, runs)
     print("wrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths))
     if not a.no_results:
-        for p in update_results(ROOT / "bench", meta, rows, table, out):
+        notes = Path(a.notes).read_text() if a.notes and Path(a.notes).exists() else ""
+        for p in update_results(ROOT / "bench", meta, rows, table, out, notes):
             print(f"updated {p.relative_to(ROOT)}")
     return 0 if all(r["ok"] for r in rows) else 1
 
