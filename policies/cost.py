@@ -22,9 +22,11 @@ the work its predecessors just queued. A hit in a slower tier is worth
 The index is the approximate text tree by default, or the precise KV-event index with
 ``index=precise`` (falling back to text for requests without token ids).
 
-The choice minimises ``ttft + work_weight * prefill(uncached)``: with ``work_weight`` > 0 a
-miss is charged for the prefill it adds to the fleet, not only for its own wait, so a
-warm worker keeps a conversation unless its queue really costs more.
+The choice minimises ``ttft + work_weight * prefill(uncached)``: a miss is charged for the
+prefill it adds to the fleet (the wait of whoever queues behind it), not only for its own
+wait, so a warm worker keeps a conversation unless its queue really costs more. Greedy
+own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS.md,
+"Routing quality").
 
 ``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
 minimum, which spreads near-equal choices and keeps the index from tunnelling.
@@ -49,7 +51,7 @@ class Cost(Policy):
 
     def __init__(self, prefill_tokens_per_s: float = 10_000.0, host_load_tokens_per_s: float = 100_000.0,
                  pool_load_tokens_per_s: float = 25_000.0, decode_cost_s: float = 0.0002,
-                 attention_tokens: float = 32_768.0, work_weight: float = 0.0, temperature: float = 0.0, seed: int | None = None, index: str | PrefixIndex = "approx",
+                 attention_tokens: float = 32_768.0, work_weight: float = 1.0, temperature: float = 0.0, seed: int | None = None, index: str | PrefixIndex = "approx",
                  **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)

@@ -57,12 +57,16 @@ def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
     assert back.predicted_cached_tokens >= 990
 
 
-def test_a_burst_of_identical_prompts_spreads_by_booked_work():
-    policy = Cost()
+@pytest.mark.parametrize("weight, suffix", [(0.0, 1), (1.0, 500)])
+def test_a_burst_of_identical_prompts_spreads_by_booked_work(weight, suffix):
+    """Greedy TTFT spreads even near-identical prompts; with the default work weight a
+    shared prefix is worth some queue, so the burst spreads once each request brings its
+    own uncached tail (here ~500 tokens), as real ones do."""
+    policy = Cost(work_weight=weight)
     ws = workers(4)
     landed = Counter()
     for i in range(40):
-        req = text_req(f"r{i}", PROMPT + str(i))
+        req = text_req(f"r{i}", PROMPT + f"{i:04d}" * suffix)
         choice = policy.select(req, ws)
         policy.on_routed(req, choice.worker)
         landed[choice.worker.url] += 1
