@@ -196,8 +196,7 @@ def section(meta: dict, rows: list[dict], notes: str = "") -> str:
     return "\n".join(lines)
 
 
-def update_results(bench_dir: Path, meta: dict, rows: list[dict], table: str, out: Path,
-                   notes: str = "") -> list[Path]:
+def update_results(bench_dir: Path, meta: dict, rows: list[dict], out: Path, notes: str = "") -> list[Path]:
     results_dir = bench_dir / "results"
     results_dir.mkdir(exist_ok=True)
     written = []

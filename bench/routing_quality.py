@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import platform
 import shlex
 import sys
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quality"))
     p.add_argument("--notes", default=str(ROOT / "bench" / "quality_notes.md"),
                    help="markdown (analysis written by hand) appended to the RESULTS.md section when it exists")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: rewrite the RESULTS.md section from --out's summary.json (e.g. after editing --notes)")
     p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md and bench/results/")
     return p
 
@@ -241,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    if a.render:
+        saved = json.loads((Path(a.out) / "summary.json").read_text())
+        notes = Path(a.notes).read_text() if a.notes and Path(a.notes).exists() else ""
+        for p in update_results(ROOT / "bench", saved["meta"], saved["runs"], Path(a.out), notes):
+            print(f"updated {p.relative_to(ROOT)}")
+        return 0
     a.limit = a.limit or (200 if a.quick else 800)
     a.time_scale = a.time_scale or 1.0
     a.arrival_speedup = a.arrival_speedup or 3.0
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print("wrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths))
     if not a.no_results:
         notes = Path(a.notes).read_text() if a.notes and Path(a.notes).exists() else ""
-        for p in update_results(ROOT / "bench", meta, rows, table, out, notes):
+        for p in update_results(ROOT / "bench", meta, rows, out, notes):
             print(f"updated {p.relative_to(ROOT)}")
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -8,15 +8,15 @@ process group so nothing outlives a run.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from simulator.cluster import _Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,44 +37,30 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
         return None, b""
 
 
-class Service:
-    """One child process in its own session; ``stop`` ends its whole group."""
+class Service(_Worker):
+    """One child process in its own session (the simulator's worker process handling);
+    ``stop`` ends its whole group."""
 
     def __init__(self, args: Sequence[str], log_path: Path, url: str) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["PYTHONUNBUFFERED"] = "1"
-        self.url = url
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(list(args), stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                      start_new_session=True)
+        super().__init__("router", url, list(args), log_path, env)
 
-    def wait_ready(self, path: str = "/health", timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.popen.args[:4]} exited with {self.popen.returncode}:\n{self.tail()}")
-            if http_get(self.url + path, timeout=1.0)[0] == 200:
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.url}{path} not ready after {timeout}s:\n{self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
-            except ProcessLookupError:
-                pass
-        self._log.close()
+    def wait_ready(self, path: str = "/health", timeout: float = 60.0) -> "Service":
+        """Block until ``path`` answers 200; on failure (or Ctrl-C) stop the process and raise."""
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"{self.args[:4]} exited with {self.popen.returncode}:\n{self.tail()}")
+                if http_get(self.url + path, timeout=1.0)[0] == 200:
+                    return self
+                time.sleep(0.1)
+            raise TimeoutError(f"{self.url}{path} not ready after {timeout}s:\n{self.tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
 
 def start_kvgate(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path,
@@ -86,13 +72,7 @@ def start_kvgate(worker_urls: Sequence[str], policy: str, options: dict[str, str
         args += ["--tokenizer", tokenizer]
     for k, v in options.items():
         args += ["--policy-option", f"{k}={v}"]
-    svc = Service(args, log_path, f"http://127.0.0.1:{port}")
-    try:
-        svc.wait_ready("/readiness")
-    except BaseException:
-        svc.stop()
-        raise
-    return svc
+    return Service(args, log_path, f"http://127.0.0.1:{port}").wait_ready("/readiness")
 
 
 def start_sglang_router(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path) -> Service:
@@ -102,10 +82,4 @@ def start_sglang_router(worker_urls: Sequence[str], policy: str, options: dict[s
             "--worker-urls", *worker_urls]
     for k, v in options.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
-    svc = Service(args, log_path, f"http://127.0.0.1:{port}")
-    try:
-        svc.wait_ready("/health")
-    except BaseException:
-        svc.stop()
-        raise
-    return svc
+    return Service(args, log_path, f"http://127.0.0.1:{port}").wait_ready("/health")
