@@ -23,7 +23,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -31,6 +31,8 @@ import msgspec
 from .trace import TraceRecord, expand, load_trace, oracle_hit_rate
 
 _dec = msgspec.json.Decoder()
+_enc = msgspec.json.Encoder()
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class ReplayResult:
     wall_s: float
     time_scale: float = 1.0
     meta: dict = field(default_factory=dict)
+    loads: list = field(default_factory=list)  # LoadSample, when load_urls were given
 
     def summary(self) -> dict:
         return summarize(self.rows, self.wall_s, self.time_scale)
@@ -111,7 +114,8 @@ async def _one(session: aiohttp.ClientSession, base: str, api: str, row: Request
     path, body = _body(api, text, max_tokens, model, row.index)
     t0 = time.monotonic()
     try:
-        async with session.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(base + path, data=_enc.encode(body), headers=_JSON,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             row.status = resp.status
             row.worker = resp.headers.get(worker_header, "")
             if resp.status != 200:
@@ -168,30 +172,74 @@ async def fetch_time_scale(base: str) -> float:
         async with aiohttp.ClientSession() as s:
             async with s.get(base + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
-                    return float((await r.json()).get("time_scale") or 1.0)
+                    return float(_dec.decode(await r.read()).get("time_scale") or 1.0)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         pass
     return 1.0
 
 
-async def replay(records: Sequence[TraceRecord], url: str, *, api: str = "generate", speedup: float = 1.0,
-                 concurrency: int = 256, model: str = "default", max_tokens_cap: int | None = None,
-                 timeout: float = 600.0, time_scale: float | None = None, worker_header: str = "x-kvgate-worker",
+Router = Callable[[int, TraceRecord, Sequence[str]], str]
+
+
+def round_robin(i: int, record: TraceRecord, urls: Sequence[str]) -> str:
+    return urls[i % len(urls)]
+
+
+@dataclass(slots=True)
+class LoadSample:
+    t_s: float  # wall seconds since replay start
+    url: str
+    running: int
+    waiting: int
+    token_usage: float
+
+
+async def _poll_loads(session: aiohttp.ClientSession, urls: Sequence[str], interval: float, start: float,
+                      out: list[LoadSample]) -> None:
+    """Sample each worker's /v1/loads (SGLang >= 0.5.10), summed over DP ranks."""
+    while True:
+        for u in urls:
+            try:
+                async with session.get(u.rstrip("/") + "/v1/loads", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        loads = _dec.decode(await r.read()).get("loads") or []
+                        out.append(LoadSample(time.monotonic() - start, u,
+                                              sum(x.get("num_running_reqs", 0) for x in loads),
+                                              sum(x.get("num_waiting_reqs", 0) for x in loads),
+                                              max((x.get("token_usage", 0.0) for x in loads), default=0.0)))
+            except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError):
+                pass
+        await asyncio.sleep(interval)
+
+
+async def replay(records: Sequence[TraceRecord], url: str | Sequence[str], *, api: str = "generate",
+                 speedup: float = 1.0, concurrency: int = 256, model: str = "default",
+                 max_tokens_cap: int | None = None, timeout: float = 600.0, time_scale: float | None = None,
+                 worker_header: str = "x-kvgate-worker", router: Router | None = None,
+                 load_urls: Sequence[str] = (), load_interval: float = 0.5,
                  on_progress: Callable[[int, int], None] | None = None) -> ReplayResult:
     """Send every record at ``timestamp / speedup``; returns per-request results.
 
+    ``url`` is one endpoint (a worker or a gateway) or several workers, in which case
+    ``router(i, record, urls)`` picks one per request (default round robin) - handy for
+    engine-level baselines without a gateway. ``load_urls`` are polled for per-worker load.
     ``time_scale`` converts wall latencies to simulated ones (None: ask /server_info).
     """
-    base = url.rstrip("/")
+    urls = [url] if isinstance(url, str) else list(url)
+    bases = [u.rstrip("/") for u in urls]
+    pick = router or round_robin
     if time_scale is None:
-        time_scale = await fetch_time_scale(base)
+        time_scale = await fetch_time_scale(bases[0])
     sem = asyncio.Semaphore(concurrency)
     t_first = records[0].timestamp if records else 0.0
     rows = [RequestResult(i, (r.timestamp - t_first) / 1000.0 / speedup, 0.0) for i, r in enumerate(records)]
+    samples: list[LoadSample] = []
     done = 0
-    conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    conn = aiohttp.TCPConnector(limit=concurrency + len(load_urls), force_close=False)
     start = time.monotonic()
     async with aiohttp.ClientSession(connector=conn) as session:
+        poller = asyncio.create_task(_poll_loads(session, load_urls, load_interval, start, samples)) if load_urls else None
+
         async def run(i: int) -> None:
             nonlocal done
             rec, row = records[i], rows[i]
@@ -200,16 +248,24 @@ async def replay(records: Sequence[TraceRecord], url: str, *, api: str = "genera
                 await asyncio.sleep(delay)
             text = expand(rec)
             mt = max(1, rec.output_length if max_tokens_cap is None else min(rec.output_length, max_tokens_cap))
+            base = bases[0] if len(bases) == 1 else pick(i, rec, bases)
             async with sem:
                 row.sent_s = time.monotonic() - start
                 await _one(session, base, api, row, text, mt, model, timeout, worker_header)
+            if len(bases) > 1 and not row.worker:
+                row.worker = base
             done += 1
             if on_progress:
                 on_progress(done, len(records))
 
-        await asyncio.gather(*(run(i) for i in range(len(records))))
+        try:
+            await asyncio.gather(*(run(i) for i in range(len(records))))
+        finally:
+            if poller:
+                poller.cancel()
     return ReplayResult(rows, time.monotonic() - start, time_scale,
-                        {"url": url, "api": api, "speedup": speedup, "concurrency": concurrency})
+                        {"url": urls if len(urls) > 1 else urls[0], "api": api, "speedup": speedup,
+                         "concurrency": concurrency}, samples)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -233,7 +289,9 @@ def format_table(summary: dict, oracle: float | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", required=True)
+    p.add_argument("--url", required=True, nargs="+", help="a gateway/worker, or several workers (round robin)")
+    p.add_argument("--load-urls", nargs="*", default=[], help="workers whose /v1/loads to sample (plots per-worker load)")
+    p.add_argument("--load-interval", type=float, default=0.2, help="wall seconds between load samples")
     p.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
     p.add_argument("--limit", type=int, default=200)
     p.add_argument("--speedup", type=float, default=None, help="trace-time divisor (default: the target's time_scale)")
@@ -247,16 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true")
     a = p.parse_args(argv)
     records = load_trace(a.trace, a.limit)
-    ts = a.time_scale if a.time_scale is not None else asyncio.run(fetch_time_scale(a.url.rstrip("/")))
+    ts = a.time_scale if a.time_scale is not None else asyncio.run(fetch_time_scale(a.url[0].rstrip("/")))
     speedup = a.speedup if a.speedup is not None else ts
 
     def progress(done: int, total: int) -> None:
         if done % max(1, total // 20) == 0 or done == total:
             print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True)
 
-    result = asyncio.run(replay(records, a.url, api=a.api, speedup=speedup, concurrency=a.concurrency,
-                                model=a.model, max_tokens_cap=a.max_tokens_cap, timeout=a.timeout,
-                                time_scale=ts, on_progress=progress))
+    load_urls = a.load_urls or (a.url if len(a.url) > 1 else [])
+    result = asyncio.run(replay(records, a.url if len(a.url) > 1 else a.url[0], api=a.api, speedup=speedup,
+                                concurrency=a.concurrency, model=a.model, max_tokens_cap=a.max_tokens_cap,
+                                timeout=a.timeout, time_scale=ts, load_urls=load_urls,
+                                load_interval=a.load_interval, on_progress=progress))
     print(file=sys.stderr)
     summary = result.summary()
     oracle = oracle_hit_rate(records)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import asdict, fields
 from pathlib import Path
+
+import msgspec
 
 from .replay import ReplayResult, RequestResult
 
@@ -19,8 +20,16 @@ def write_outputs(result: ReplayResult, summary: dict, out_dir: str | Path, plot
         w.writerow([fl.name for fl in fields(RequestResult)])
         for r in result.rows:
             w.writerow([getattr(r, fl.name) for fl in fields(RequestResult)])
-    paths[1].write_text(json.dumps([asdict(r) for r in result.rows]))
-    paths[2].write_text(json.dumps({"summary": summary, "meta": result.meta}, indent=2))
+    paths[1].write_bytes(msgspec.json.encode([asdict(r) for r in result.rows]))
+    if result.loads:
+        lp = out / "loads.csv"
+        with open(lp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["t_s", "url", "running", "waiting", "token_usage"])
+            for x in result.loads:
+                w.writerow([x.t_s, x.url, x.running, x.waiting, x.token_usage])
+        paths.append(lp)
+    paths[2].write_bytes(msgspec.json.format(msgspec.json.encode({"summary": summary, "meta": result.meta}), indent=2))
     if plots:
         paths += plot(result, out)
     return paths
@@ -67,6 +76,20 @@ def plot(result: ReplayResult, out: Path) -> list[Path]:
         fig.savefig(p, dpi=100)
         plt.close(fig)
         written.append(p)
+    if result.loads:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for u in sorted({x.url for x in result.loads}):
+            pts = [x for x in result.loads if x.url == u]
+            ax.plot([x.t_s * f for x in pts], [x.running + x.waiting for x in pts], label=u)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("running + waiting requests")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        p = out / "worker_load.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
     workers = sorted({r.worker for r in ok if r.worker})
     if workers:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -77,7 +100,7 @@ def plot(result: ReplayResult, out: Path) -> list[Path]:
         ax.set_ylabel("requests routed (cumulative)")
         ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
-        p = out / "worker_load.png"
+        p = out / "worker_requests.png"
         fig.tight_layout()
         fig.savefig(p, dpi=100)
         plt.close(fig)

@@ -88,7 +88,7 @@ def worker_stats(url: str) -> dict:
     sim = (msgspec.json.decode(info) if info else {}).get("simulator", {})
     return {"url": url, "requests": int(flat.get("num_requests", 0)), "prompt_tokens": int(flat.get("prompt_tokens", 0)),
             "cached_tokens": int(flat.get("cached_tokens", 0)), "generation_tokens": int(flat.get("generation_tokens", 0)),
-            "busy_s": sim.get("busy_s"), "lag_max_s": sim.get("lag_max_s"), "lag_sum_s": sim.get("lag_sum_s"),
+            "busy_s": sim.get("busy_sim_s"), "lag_max_s": sim.get("lag_max_s"), "lag_sum_s": sim.get("lag_sum_s"),
             "forward_steps": sim.get("forward_steps")}
 
 

@@ -32,9 +32,24 @@ def _chunk(i: int, model: str) -> bytes:
                              "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}) + b"\n\n"
 
 
+class _Ask(msgspec.Struct):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # sglang-router re-serializes max_tokens as this
+
+
+_ask = msgspec.json.Decoder(_Ask)
+
+
 def build_app(chunks: int, delay_ms: float) -> web.Application:
-    stream_body = b"".join(_chunk(i, MODEL) for i in range(chunks))
+    """``max_tokens`` (or ``max_completion_tokens``) in a streamed request overrides
+    ``--chunks``, so one stub process serves every stream length a benchmark asks for."""
     single = _completion(MODEL)
+    frames: dict[int, list[bytes]] = {}
+
+    def stream_frames(n: int) -> list[bytes]:
+        if n not in frames:
+            frames[n] = [_chunk(i, MODEL) for i in range(n)] + [b"data: [DONE]\n\n"]
+        return frames[n]
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -42,14 +57,19 @@ def build_app(chunks: int, delay_ms: float) -> web.Application:
             await asyncio.sleep(delay_ms / 1000)
         if b'"stream":true' not in body.replace(b" ", b""):
             return web.Response(body=single, content_type="application/json")
+        try:
+            ask = _ask.decode(body)
+            n = ask.max_tokens or ask.max_completion_tokens or chunks
+        except msgspec.MsgspecError:
+            n = chunks
+        out = stream_frames(min(max(n, 1), 4096))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if chunks <= 16:
-            await resp.write(stream_body + b"data: [DONE]\n\n")
+        if len(out) <= 17:  # short answers leave in one write, longer ones one frame per write
+            await resp.write(b"".join(out))
         else:
-            for i in range(chunks):
-                await resp.write(_chunk(i, MODEL))
-            await resp.write(b"data: [DONE]\n\n")
+            for frame in out:
+                await resp.write(frame)
         await resp.write_eof()
         return resp
 
@@ -84,7 +104,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=31000)
-    p.add_argument("--chunks", type=int, default=16, help="SSE chunks per streamed answer")
+    p.add_argument("--chunks", type=int, default=16, help="SSE chunks per streamed answer without max_tokens")
     p.add_argument("--delay-ms", type=float, default=0.0)
     a = p.parse_args()
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 

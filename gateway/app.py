@@ -19,8 +19,13 @@ from gateway import __version__
 from gateway.admission import Admission
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
+from gateway.drain import Drain
+from gateway.error_shape import normalized
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_json
+from gateway.process_metrics import ProcessCollector
+from gateway.ratelimit import RateLimiter, check_rate
 from gateway.pd import PDProxy, pd_policies
 from gateway.proxy import Proxy
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, parse_body, request_id_from
@@ -53,13 +58,20 @@ class GatewayState:
         self.policies: dict[str, Policy] = {"unified": self.policy}
         if cfg.pd_disaggregation:
             self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
-        self.draining = False
+        self.drain = Drain(OPEN_PATHS)
+        self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps) \
+            if cfg.rate_limit_rps > 0 else None
         self.session = None  # created on startup, inside the running loop
         self.registry: WorkerRegistry
         self.proxy: Proxy
 
+    @property
+    def draining(self) -> bool:
+        return self.drain.draining
+
     async def start(self) -> None:
         cfg = self.cfg
+        self.metrics.registry.register(ProcessCollector(asyncio.get_running_loop()))
         self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
                                     limit_per_host=cfg.max_connections_per_worker)
         self.registry = WorkerRegistry(cfg, self.session)
@@ -101,9 +113,19 @@ class GatewayState:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
+    """Auth, drain accounting, rate limit, then the handler; any error becomes an OpenAI-style body and every
+    answer is counted.
+
+    One middleware, not two: each layer is another coroutine frame resumed at every await
+    of the handler (bench/RESULTS.md)."""
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     state: GatewayState = request.app[STATE]
+    counted = False
     try:
+        check_auth(request, state.cfg)
+        counted = state.drain.enter(request.path)
+        if counted and state.limiter is not None:  # after auth: a bad key never gets a bucket
+            check_rate(state.limiter, request, bool(state.cfg.api_keys))
         response = await handler(request)
     except GatewayError as exc:
         response = from_exception(exc)
@@ -117,22 +139,30 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(500, "internal gateway error", code="internal_error")
-    state.metrics.requests.labels(route, str(response.status)).inc()
+    finally:
+        if counted:
+            state.drain.leave()
+    state.metrics.requests_by(route, response.status).inc()
+    if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
+        log.debug("%s %s -> %d", request.method, route, response.status)
     return response
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    cfg: GatewayConfig = request.app[STATE].cfg
+def check_auth(request: web.Request, cfg: GatewayConfig) -> None:
     path = request.path
     if path in OPEN_PATHS:
-        return await handler(request)
+        return
     admin = path.startswith(ADMIN_PATHS)
     keys = (cfg.admin_api_keys or cfg.api_keys) if admin else cfg.api_keys
-    if keys and not key_matches(bearer_token(request.headers.get("Authorization")), keys):
-        raise GatewayError(401, "invalid or missing API key", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-    return await handler(request)
+    if not keys:
+        return
+    presented = bearer_token(request.headers.get("Authorization"))
+    if key_matches(presented, keys):
+        return
+    if admin and cfg.admin_api_keys and key_matches(presented, cfg.api_keys):
+        raise GatewayError(403, "this API key may not call admin routes", code="admin_key_required")
+    raise GatewayError(401, "invalid or missing API key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 # --- data routes ----------------------------------------------------------------------------
@@ -146,20 +176,17 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 def generation_handler(route: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         state: GatewayState = request.app[STATE]
-        if state.draining:
-            raise GatewayError(503, "gateway is shutting down", code="shutting_down")
         raw = await _read_body(request, state.cfg.max_payload_size)
         body = parse_body(raw, route)
         if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
         view = build_view(body, route, request.headers, request_id_from(request.headers), state.tokenizer)
-        state.metrics.queue_depth.set(state.admission.queued)
         started = time.perf_counter()
         async with state.admission.slot():
             response = await state.proxy.forward(request, view, raw, body)
-        state.metrics.latency.labels(route).observe(time.perf_counter() - started)
-        return response
+        state.metrics.latency_of(route).observe(time.perf_counter() - started)
+        return normalized(response)  # an engine's error, in the gateway's shape
 
     return handle
 
@@ -282,15 +309,15 @@ async def flush_cache(request: web.Request) -> web.Response:
 # --- assembly -------------------------------------------------------------------------------
 
 def build_app(cfg: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=cfg.max_payload_size)
     state = GatewayState(cfg)
+    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_payload_size)
     app[STATE] = state
 
     async def on_startup(_app: web.Application) -> None:
         await state.start()
 
     async def on_shutdown(_app: web.Application) -> None:
-        state.draining = True
+        state.drain.draining = True
 
     async def on_cleanup(_app: web.Application) -> None:
         await state.stop()
@@ -309,6 +336,7 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     r.add_get("/liveness", health)
     r.add_get("/readiness", readiness)
     r.add_get("/metrics", metrics)
+    r.add_get("/openapi.json", openapi_json)
     r.add_get("/workers", list_workers)
     r.add_post("/workers", add_worker)
     r.add_delete("/workers", remove_worker)

@@ -28,6 +28,8 @@ class CircuitBreaker:
         return "half_open" if time.monotonic() - self.opened_at >= self.timeout else "open"
 
     def allows(self) -> bool:
+        if self.opened_at is None:  # closed: the per-request case, without a clock read
+            return True
         state = self.state
         return state == "closed" or (state == "half_open" and not self._trial_in_flight)
 

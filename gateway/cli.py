@@ -55,7 +55,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--max-concurrent-requests", type=int)
     g.add_argument("--queue-size", type=int)
     g.add_argument("--queue-timeout-secs", type=float)
-    g.add_argument("--request-timeout-secs", type=float)
+    g.add_argument("--rate-limit-rps", type=float, help="requests/s per API key (client IP without auth)")
+    g.add_argument("--rate-limit-burst", type=float, help="bucket size for --rate-limit-rps (default: one second's)")
+    g.add_argument("--request-timeout-secs", type=float, help="upstream silence (no byte) that fails an attempt")
     g.add_argument("--max-payload-size", type=int)
     g.add_argument("--max-retries", type=int)
     g.add_argument("--health-check-interval-secs", type=float)
@@ -109,11 +111,12 @@ def _install_uvloop() -> None:
 async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     from aiohttp import web
 
-    from gateway.app import build_app
+    from gateway.app import STATE, build_app
 
     app = build_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.shutdown_grace_secs)
+    # The grace period is spent in Drain (still listening, answering 503); what is left
+    # after that is cancelled by the runner at once.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()
@@ -125,8 +128,12 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     if ready is not None:
         ready.set()
     await stop.wait()
-    log.info("shutting down: finishing in-flight requests (grace %gs)", cfg.shutdown_grace_secs)
+    drain = app[STATE].drain
+    log.info("shutting down: finishing %d in-flight requests (grace %gs)", drain.in_flight, cfg.shutdown_grace_secs)
+    if not await drain.drain(cfg.shutdown_grace_secs):
+        log.warning("grace period over with %d requests in flight: cancelling them", drain.in_flight)
     await runner.cleanup()
+    log.info("shut down")
 
 
 def serve(cfg: GatewayConfig) -> int:

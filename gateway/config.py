@@ -41,6 +41,8 @@ class GatewayConfig:
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
     max_payload_size: int = 256 * 1024 * 1024
+    rate_limit_rps: float = 0.0  # per API key (or client IP without auth); 0: off
+    rate_limit_burst: float = 0.0  # 0: one second's worth
     # upstream
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 5.0

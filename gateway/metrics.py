@@ -24,6 +24,24 @@ class _PolicyCollector:
         yield fam
 
 
+class _Children:
+    """``metric.labels(...)`` validates, takes a lock and looks the child up on every call;
+    the hot path uses a handful of label sets, so their children are kept here."""
+
+    __slots__ = ("metric", "cache")
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self.cache: dict[tuple, object] = {}
+
+    def __call__(self, *labels):
+        try:
+            return self.cache[labels]
+        except KeyError:
+            child = self.cache[labels] = self.metric.labels(*labels)
+            return child
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -40,6 +58,11 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("kvgate_prompt_tokens_total", "Prompt tokens reported by engines", registry=r)
         self.cached_tokens = Counter("kvgate_cached_tokens_total", "Cached prompt tokens reported by engines", registry=r)
         self.predicted_cached = Counter("kvgate_predicted_cached_tokens_total", "Cached tokens the policy predicted", registry=r)
+        # per-request children (label values are str()-ed by prometheus-client, so a status may be an int)
+        self.requests_by = _Children(self.requests)
+        self.routed_to = _Children(self.routed)
+        self.latency_of = _Children(self.latency)
+        self.ttft_of = _Children(self.ttft)
         self.policy_sources: list[tuple[str, Callable[[], Mapping[str, float]]]] = []
         r.register(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
 

@@ -25,7 +25,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.errors import GatewayError
-from gateway.proxy import RETRYABLE_STATUS, Proxy, outcome_from_json, select, upstream_headers
+from gateway.proxy import RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, select, upstream_headers
 from gateway.request import Body
 from gateway.workers import Worker
 from policies.base import Choice, NoWorkerAvailable, Outcome, Policy, RequestView
@@ -115,6 +115,7 @@ class PDProxy(Proxy):
         assert body is not None
         tried: set[str] = set()
         last_failure: tuple[int, bytes, str] | None = None
+        attempts = timeouts = 0
         items = batch_size(body)
         for attempt in range(self.max_retries + 1):
             pair = await self._pair(view, tried)
@@ -141,12 +142,17 @@ class PDProxy(Proxy):
             if isinstance(result, web.StreamResponse):
                 return result
             tried.update((prefill.url, decode.url))
+            attempts += 1
+            timeouts += result[0] == 0 and result[2] == "timeout"
             last_failure = result
             if result[0] and result[0] < 500:
                 break  # the request itself is bad (e.g. prompt too long): retrying won't help
         if last_failure is not None and last_failure[0] >= 400:
             status, data, ctype = last_failure
             return web.Response(status=status, body=data, content_type=ctype, headers={"X-Request-ID": view.request_id})
+        if attempts and timeouts == attempts:
+            raise GatewayError(504, "no prefill/decode pair answered within the request timeout",
+                               code="upstream_timeout")
         if tried:
             raise GatewayError(502, "all prefill/decode attempts failed", code="upstream_unavailable")
         raise GatewayError(503, "PD mode needs a healthy prefill and a healthy decode worker",
@@ -208,10 +214,10 @@ class PDProxy(Proxy):
             try:
                 upstream, first = await d_task
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self._failed(decode, "connect", repr(exc))
+                failure = self._failed(decode, _kind(exc, "connect"), repr(exc))
                 p_task.cancel()
                 await self._abort(prefill, rid)
-                return (0, b"", "")
+                return failure
             if upstream.status >= 400:
                 data = await upstream.read()
                 ctype = upstream.headers.get("Content-Type", "application/json").split(";")[0]
@@ -259,8 +265,7 @@ class PDProxy(Proxy):
     def _leg_failure(self, worker: Worker, task: asyncio.Task) -> tuple[int, bytes, str] | None:
         exc = task.exception()
         if exc is not None:
-            self._failed(worker, "connect", repr(exc))
-            return (0, b"", "")
+            return self._failed(worker, _kind(exc, "connect"), repr(exc))
         status, data, ctype = task.result()
         if status >= 400:
             if status in RETRYABLE_STATUS:

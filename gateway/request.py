@@ -7,7 +7,7 @@ engine field can be lost or reordered.
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 import msgspec
@@ -49,6 +49,11 @@ class Body(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(Body)
+MAX_N = 128
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
 def _is_ids(value: Any) -> bool:
@@ -72,6 +77,9 @@ def parse_body(raw: bytes, route: str) -> Body:
         raise GatewayError(400, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise GatewayError(400, f"malformed JSON: {exc}") from None
+    for n in [body.n, *(sp.n for sp in _as_list(body.sampling_params))]:
+        if n is not None and not 1 <= n <= MAX_N:  # OpenAI's bound; an engine would build n requests
+            raise GatewayError(400, f"'n' must be between 1 and {MAX_N}, got {n}", param="n")
     if route == CHAT:
         if not body.model:
             raise GatewayError(400, "'model' is required", param="model")
@@ -132,5 +140,7 @@ def build_view(body: Body, route: str, headers: Any, request_id: str, tokenizer:
 
 
 def request_id_from(headers: Any) -> str:
+    """The client's ``X-Request-ID`` or 32 random hex digits (``uuid4().hex``'s shape;
+    building the UUID object cost more than the id is worth on the hot path)."""
     rid = headers.get("X-Request-ID")
-    return rid if rid and len(rid) <= 256 else uuid.uuid4().hex
+    return rid if rid and len(rid) <= 256 else os.urandom(16).hex()

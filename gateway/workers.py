@@ -123,8 +123,9 @@ class WorkerRegistry:
         return {m for w in self.workers.values() if w.view.healthy for m in w.view.models}
 
     def knows_model(self, model: str) -> bool:
-        all_models = {m for w in self.workers.values() for m in w.view.models}
-        return not all_models or model in all_models
+        """True when some worker serves ``model``, or when no worker has reported any model."""
+        workers = self.workers.values()
+        return any(model in w.view.models for w in workers) or not any(w.view.models for w in workers)
 
     def ready(self) -> bool:
         if self.cfg.pd_disaggregation:

@@ -15,9 +15,17 @@ Parent links are kept for each stored block so a worker's chains can be read bac
 (``chain``) and blocks whose parent the worker never reported are counted (``orphans``:
 a sign of lost events).
 
+The Mooncake pool (medium ``EXTERNAL``/``DISK``) is one store shared by every engine
+attached to it, so by default (``shared_pool``) a page any engine announced there counts for
+every worker: it is kept once, in ``pool``, and a worker's prefix extends through it
+whatever that worker holds itself. Per-worker pool bits remain for fleets whose engines do
+not share one pool (``shared_pool=False``).
+
 Speculative entries cover the time between routing a request and the engine's
-``BlockStored`` arriving: ``record`` marks the request's pages as on the worker's GPU for
-``speculative_ttl_s`` seconds.
+``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
+known to hold as on its GPU for ``speculative_ttl_s`` seconds; the walk ORs them in. The
+page-hash chain of a prompt is computed once per request and resumed from earlier turns
+(``policies.page_hash_cache``).
 """
 
 from __future__ import annotations
@@ -25,17 +33,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from itertools import accumulate, repeat
-from operator import and_
+from itertools import accumulate, repeat, takewhile
+from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
-from policies.prefix_index import IndexMatch, Tiers, Unit
+from policies.prefix_index import NO_HIT, IndexMatch, Tiers, Unit
 from policies.page_hash_cache import PageHashCache
-from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
 
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
 _CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
+_url = attrgetter("url")
 
 
 def medium_tier(medium: str | None) -> int:
@@ -55,8 +64,10 @@ class BlockIndex:
     unit: Unit = "tokens"
 
     def __init__(self, default_page_size: int = 1, speculative_ttl_s: float = 3.0,
-                 hash_cache: int = 64) -> None:
+                 hash_cache: int = 64, shared_pool: bool = True) -> None:
         self.default_page_size = int(default_page_size)
+        self.shared_pool = bool(shared_pool)
+        self.pool: set[int] = set()  # page hashes in the shared store (when shared_pool)
         self.speculative_ttl_s = float(speculative_ttl_s)
         self.blocks: dict[int, int] = {}
         self.parent: dict[int, int | None] = {}
@@ -98,10 +109,14 @@ class BlockIndex:
         self._version += 1
 
     def page_size_of(self, worker: WorkerView) -> int:
+        """The engine's page size: from its events' ``block_size``, else ``server_info``, else
+        the default (not remembered, so a later server_info or event still wins)."""
         ps = self._page_size.get(worker.url)
         if ps is None:
-            ps = int(worker.server_info.get("page_size") or self.default_page_size)
-            self._page_size[worker.url] = ps
+            reported = worker.server_info.get("page_size")
+            if not reported:
+                return self.default_page_size
+            ps = self._page_size[worker.url] = int(reported)
             self._version += 1
         return ps
 
@@ -143,16 +158,39 @@ class BlockIndex:
         return len(self._owned[s]) if s is not None else 0
 
     # -- events -------------------------------------------------------------------------
-    def apply(self, url: str, event: Event) -> None:
+    def apply_batch(self, url: str, events: Sequence[Event | BlockStoredRef]) -> None:
+        """A decoded batch, with the per-event work kept to a dict lookup for the medium."""
+        stored, removed, tiers = (BlockStored, BlockStoredRef), BlockRemoved, TIER_OF_MEDIUM
+        for event in events:
+            if isinstance(event, stored):
+                tier = tiers.get(event.medium or "GPU")
+                self.store(url, event.block_hashes, event.parent_block_hash,
+                           medium_tier(event.medium) if tier is None else tier, event.block_size)
+            elif isinstance(event, removed):
+                tier = tiers.get(event.medium or "GPU")
+                self.remove(url, event.block_hashes, medium_tier(event.medium) if tier is None else tier)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_worker(url)
+        self.events_applied += len(events)
+
+    def apply(self, url: str, event: Event | BlockStoredRef) -> None:
         self.events_applied += 1
-        if isinstance(event, BlockStored):
-            self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium))
+        if isinstance(event, (BlockStored, BlockStoredRef)):
+            self.store(url, event.block_hashes, event.parent_block_hash, medium_tier(event.medium),
+                       event.block_size)
         elif isinstance(event, BlockRemoved):
             self.remove(url, event.block_hashes, medium_tier(event.medium))
         elif isinstance(event, AllBlocksCleared):
             self.clear_worker(url)
 
-    def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0) -> None:
+    def store(self, url: str, hashes: Sequence[int], parent: int | None, tier: int = 0,
+              block_size: int | None = None) -> None:
+        if block_size and self._page_size.get(url) != block_size:  # the engine's own word
+            self.set_page_size(url, block_size)
+        if tier == 2 and self.shared_pool:
+            self.slot(url)
+            self.pool.update(hashes)
+            return
         s = self.slot(url)
         shift = 3 * s
         keep = ~(7 << shift)
@@ -167,6 +205,9 @@ class BlockIndex:
             parent = h
 
     def remove(self, url: str, hashes: Sequence[int], tier: int = 0) -> None:
+        if tier == 2 and self.shared_pool:  # the store evicted it: gone for everyone
+            self.pool.difference_update(hashes)
+            return
         s = self._slots.get(url)
         if s is None:
             return
@@ -215,21 +256,22 @@ class BlockIndex:
                 self._hashes.popitem(last=False)
         return got[1]
 
-    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int]]:
-        """(page size, mask of the candidates' bits) groups, cached per worker set."""
-        key = tuple(w.url for w in workers)
+    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str]]]:
+        """(page size, mask of the candidates' bits, their urls) groups, cached per worker set."""
+        key = tuple(map(_url, workers))
         got = self._groups.get(key)
         if got is not None and got[0] == self._version:
             return got[1]
-        groups: dict[int, int] = {}
+        groups: dict[int, tuple[int, list[str]]] = {}
         for w in workers:
             s = self._slots.get(w.url)
             if s is not None:
                 ps = self.page_size_of(w)
-                groups[ps] = groups.get(ps, 0) | (7 << (3 * s))
+                mask, urls = groups.get(ps, (0, []))
+                groups[ps] = (mask | (7 << (3 * s)), urls + [w.url])
         if len(self._groups) > 256:
             self._groups.clear()
-        self._groups[key] = (self._version, list(groups.items()))
+        self._groups[key] = (self._version, [(ps, m, u) for ps, (m, u) in groups.items()])
         return self._groups[key][1]
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
@@ -238,8 +280,11 @@ class BlockIndex:
             return result
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
-        for ps, wanted in self._candidates(workers):
-            self._walk(self.hashes_for(request, ps), wanted, ps, result.hits)
+        for ps, wanted, urls in self._candidates(workers):
+            chain = self.hashes_for(request, ps)
+            self._walk(chain, wanted, ps, result.hits)
+            if self.pool:
+                self._extend_through_pool(chain, ps, urls, result.hits)
         self._last_match = (request.request_id, result.hits)
         return result
 
@@ -275,19 +320,27 @@ class BlockIndex:
         return pages
 
     def _walk(self, chain: list[int], wanted: int, ps: int, hits: dict[str, Tiers]) -> None:
-        pages = self._prefix_pages(list(map(self.blocks.get, chain, repeat(0))), wanted)
-        if self._spec:
-            # Engine caches are prefix-closed and speculative entries are whole prompts from
-            # page 0, so the union's prefix is the longer of the two (spec counts as GPU).
-            spec = self._prefix_pages(list(map(self._spec.get, chain, repeat(0))), wanted)
-            for b, n in spec.items():
-                if n > pages.get(b, 0):
-                    pages[b] = n
+        masks = list(map(self.blocks.get, chain, repeat(0)))
+        if self._spec:  # speculative pages count as GPU; OR them in, all in C
+            spec = list(map(self._spec.get, chain, repeat(0)))
+            if any(spec):
+                masks = list(map(or_, masks, spec))
+        pages = self._prefix_pages(masks, wanted)
         urls = self._urls
         for b, a in pages.items():
             if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
                 g, h = pages.get(b - 2, 0), pages.get(b - 1, 0)
                 hits[urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
+
+    def _extend_through_pool(self, chain: list[int], ps: int, urls: list[str], hits: dict[str, Tiers]) -> None:
+        """Any worker can load the shared pool's leading pages past what it holds itself."""
+        pooled = sum(1 for _ in takewhile(self.pool.__contains__, chain)) * ps
+        if not pooled:
+            return
+        for url in urls:
+            t = hits.get(url, NO_HIT)
+            if pooled > t.total:
+                hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         if request.token_ids is None or self.speculative_ttl_s <= 0:
@@ -332,6 +385,7 @@ class BlockIndex:
     def stats(self) -> Mapping[str, float]:
         return {
             "index_blocks": len(self.blocks),
+            "index_pool_blocks": len(self.pool),
             "index_speculative_blocks": len(self._spec),
             "index_workers": len(self._slots),
             "index_orphan_blocks": self.orphans,

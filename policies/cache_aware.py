@@ -25,17 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.hit_verification import HitVerifier
 from policies.prefix_index import IndexMatch, PrefixIndex
 from policies.radix_index import RadixIndex
+from policies.tree_budget import TreeBudget
+
+log = logging.getLogger("kvgate.policies")
+_in_flight = attrgetter("in_flight")
+_url = attrgetter("url")
 
 
 def in_flight(workers: Sequence[WorkerView]) -> list[int]:
-    return [w.in_flight for w in workers]
+    return list(map(_in_flight, workers))
 
 
 def engine_queue(workers: Sequence[WorkerView]) -> list[int]:
@@ -47,20 +54,18 @@ LOADS = {"in_flight": in_flight, "engine": engine_queue}
 
 def make_verifier(name: str, options: Mapping[str, object]) -> HitVerifier:
     return HitVerifier(
-        window=int(options.get("drift_window", 64)),
-        min_samples=int(options.get("drift_min_samples", 16)),
-        degrade_above=float(options.get("drift_degrade_above", 0.5)),
-        recover_below=float(options.get("drift_recover_below", 0.25)),
+        window=int(options.get("drift_window", 128)),
+        min_samples=int(options.get("drift_min_samples", 32)),
+        degrade_above=float(options.get("drift_degrade_above", 0.85)),
+        recover_below=float(options.get("drift_recover_below", 0.6)),
         name=name,
     )
 
 
-def make_radix(options: Mapping[str, object], key: str | None = None) -> RadixIndex:
-    return RadixIndex(
-        max_units=int(options.get("max_tree_size", 1 << 24)),
-        key=key or str(options.get("key", "auto")),
-        max_age_s=float(options.get("max_age_s", 0.0)),
-    )
+def make_radix(options: Mapping[str, object], key: str | None = None) -> tuple[RadixIndex, TreeBudget]:
+    """The approximate tree from policy options, with the budget that sizes it."""
+    tree = RadixIndex(key=key or str(options.get("key", "auto")), max_age_s=float(options.get("max_age_s", 0.0)))
+    return tree, TreeBudget(tree, options.get("max_tree_size", "auto"))
 
 
 class CacheAware(Policy):
@@ -79,7 +84,12 @@ class CacheAware(Policy):
         self.pool_credit = float(pool_credit)
         self.eviction_interval_s = float(eviction_interval_s)
         self._loads = LOADS[load]
-        self.index: PrefixIndex = index if index is not None else make_radix(options)
+        if isinstance(index, str):
+            raise ValueError("cache_aware keeps its own approximate index; the precise one is policy kv_events")
+        self.budget: TreeBudget | None = None  # set when the policy built its own tree
+        if index is None:
+            index, self.budget = make_radix(options)
+        self.index: PrefixIndex = index
         self.verifier = make_verifier(self.name, options)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
@@ -103,13 +113,20 @@ class CacheAware(Policy):
         best = max(scores.values(), default=0.0)
         if match.query_len and best / match.query_len > self.cache_threshold:
             floor = best * self.tie_ratio
-            sharers = {url for url, score in scores.items() if score >= floor}
-            found = [(load, -scores[w.url], i) for i, (w, load) in enumerate(zip(workers, loads)) if w.url in sharers]
-            return workers[min(found)[2]], "prefix"
+            urls = list(map(_url, workers))
+            found = []
+            for url, score in scores.items():
+                if score >= floor and url in urls:
+                    i = urls.index(url)
+                    found.append((loads[i], -score, i))
+            if found:
+                return workers[min(found)[2]], "prefix"
         return self._least_loaded(workers, loads, lo), "miss"
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)
+        if self.budget is not None:
+            self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
         chosen, reason = self.decide(request, workers, match)
         self.decisions[reason] += 1
@@ -122,6 +139,8 @@ class CacheAware(Policy):
     # -- hooks --------------------------------------------------------------------------
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self.verifier.complete(request.request_id, outcome)
+        if self.budget is not None:
+            self.budget.learn(request, outcome)
 
     def on_worker_removed(self, worker: WorkerView) -> None:
         self.index.remove_worker(worker.url)
@@ -129,7 +148,10 @@ class CacheAware(Policy):
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.eviction_interval_s)
-            self.index.maintain()
+            try:
+                self.index.maintain()
+            except Exception:  # a bug here must not stop every later eviction
+                log.exception("%s: index maintenance failed", self.name)
 
     async def start(self) -> None:
         if self._timer is None and self.eviction_interval_s > 0:
@@ -145,6 +167,8 @@ class CacheAware(Policy):
     def stats(self) -> Mapping[str, float]:
         out = dict(self.index.stats())
         out.update(self.verifier.stats())
+        if self.budget is not None:
+            out.update(self.budget.stats())
         for reason in ("prefix", "miss", "imbalanced", "degraded"):
             out[f"decisions_{reason}_total"] = float(self.decisions[reason])
         return out

@@ -10,7 +10,7 @@ a fleet that always falls back is a configuration problem (no ``--tokenizer``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from policies.base import RequestView, WorkerView
 from policies.block_index import BlockIndex
@@ -23,19 +23,29 @@ log = logging.getLogger("kvgate.policies")
 class PreciseOrApprox:
     unit: Unit = "tokens"
 
-    def __init__(self, precise: BlockIndex, approx: RadixIndex, owner: str = "policy") -> None:
+    def __init__(self, precise: BlockIndex, approx: RadixIndex, owner: str = "policy",
+                 fed: Callable[[Sequence[WorkerView]], bool] | None = None, quiet: bool = False) -> None:
         self.precise = precise
         self.approx = approx
         self.owner = owner
+        self.fed = fed  # whether KV events describe any of these workers
         self.fallbacks = 0
+        self.fallbacks_no_events = 0
+        self._no_events_level = logging.INFO if quiet else logging.WARNING
 
     def usable(self, request: RequestView) -> bool:
         return self.precise.usable(request) or self.approx.usable(request)
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         if self.precise.usable(request):
-            return self.precise.match(request, workers)
-        if not self.fallbacks:
+            if self.fed is None or self.fed(workers):
+                return self.precise.match(request, workers)
+            if not self.fallbacks_no_events:
+                log.log(self._no_events_level, "%s: none of the candidate workers publishes KV events, "
+                        "matching with the approximate index (counted as fallback_no_events_total)",
+                        self.owner)
+            self.fallbacks_no_events += 1
+        elif not self.fallbacks - self.fallbacks_no_events:
             log.warning("%s: request without token ids, matching on text with the approximate index "
                         "(give the gateway the engine's tokenizer for precise matching); "
                         "counted in stats as fallback_requests_total", self.owner)
@@ -62,4 +72,5 @@ class PreciseOrApprox:
         out = {f"approx_{k}": v for k, v in self.approx.stats().items()}
         out.update(self.precise.stats())
         out["fallback_requests_total"] = self.fallbacks
+        out["fallback_no_events_total"] = self.fallbacks_no_events
         return out

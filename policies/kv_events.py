@@ -20,23 +20,29 @@ from policies.block_index import BlockIndex
 from policies.cache_aware import CacheAware, make_radix
 from policies.fallback_index import PreciseOrApprox
 from policies.kv_feed import KvEventFeed, parse_endpoints
+from policies.tree_budget import TreeBudget
 
 
-def precise_index(options: Mapping[str, object], owner: str) -> tuple[PreciseOrApprox, KvEventFeed]:
-    """The precise index with its text fallback and the feed that keeps it current."""
+def precise_index(options: Mapping[str, object], owner: str,
+                  quiet: bool = False) -> tuple[PreciseOrApprox, KvEventFeed, TreeBudget]:
+    """The precise index with its text fallback and the feed that keeps it current
+    (``quiet``: a fleet without KV events is expected, say so at INFO only)."""
     precise = BlockIndex(default_page_size=int(options.get("page_size", 1)),
-                         speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)))
+                         speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)),
+                         shared_pool=bool(options.get("shared_pool", True)))
     feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
-                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)))
-    return PreciseOrApprox(precise, make_radix(options, key="text"), owner), feed
+                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)), quiet=quiet)
+    tree, budget = make_radix(options, key="text")
+    return PreciseOrApprox(precise, tree, owner, fed=feed.feeds_any, quiet=quiet), feed, budget
 
 
 class KvEvents(CacheAware):
     name = "kv_events"
 
     def __init__(self, **options) -> None:
-        index, self.feed = precise_index(options, self.name)
+        index, self.feed, budget = precise_index(options, self.name)
         super().__init__(index=index, **options)
+        self.budget = budget
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         self.feed.follow(workers)

@@ -11,6 +11,10 @@ handled explicitly:
   little, routing on blocks that are gone costs a full re-prefill;
 * the first message after connecting replays from seq 0, so whatever the publisher still
   buffers from before we joined is not lost.
+
+With ``dp_size`` > 1 the engine opens one publisher per DP rank (consecutive ports); all
+ranks feed the one worker entry the gateway routes to, so a clear on any rank clears the
+worker (conservative: it under-predicts until the ranks re-report).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -80,13 +84,17 @@ class KvEventFeed:
     """Runs the subscribers; ``add``/``remove`` follow the fleet, ``start``/``stop`` the loop."""
 
     def __init__(self, index: BlockIndex, override: Mapping[str, object] | None = None,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, quiet: bool = False) -> None:
         self.index = index
         self.override = dict(override or {})
         self.replay_timeout_s = float(replay_timeout_s)
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[Publisher, asyncio.Task] = {}
         self._workers: dict[str, WorkerView] = {}
+        self._waiting: set[str] = set()  # known workers whose server_info named no publisher yet
+        self._warned: set[str] = set()
+        self._recheck_at = 0.0
+        self._missing_level = logging.INFO if quiet else logging.WARNING  # quiet: events are optional
         self.counters = dict.fromkeys(
             ("messages", "gaps", "replayed", "unrecoverable", "restarts", "disconnects", "decode_errors"), 0)
 
@@ -98,38 +106,57 @@ class KvEventFeed:
         if worker.url in self._workers:
             return
         self._workers[worker.url] = worker
+        self._waiting.add(worker.url)
+        self._activate(worker)
+
+    def _activate(self, worker: WorkerView) -> None:
+        """Subscribe once the worker's server_info (or the override) names its publishers."""
+        pubs = publishers_for(worker, self.override)
+        if not pubs:
+            if worker.url not in self._warned:
+                self._warned.add(worker.url)
+                log.log(self._missing_level, "worker %s names no KV event publisher (no "
+                        "server_info.kv_events, no kv_endpoints option): the precise index cannot "
+                        "match it until it does", worker.url)
+            return
+        self._waiting.discard(worker.url)
         if "page_size" in worker.server_info:
             self.index.set_page_size(worker.url, int(worker.server_info["page_size"]))
         if self.running:
-            self._spawn(worker)
+            for pub in pubs:
+                if pub not in self._tasks:
+                    self._tasks[pub] = asyncio.get_running_loop().create_task(self._run(pub))
 
-    def follow(self, workers) -> None:
-        """Subscribe to workers the gateway routes to but never announced (cheap when known)."""
+    def follow(self, workers: Sequence[WorkerView]) -> None:
+        """Add workers the gateway routes to but never announced; re-check, at most once a
+        second, those whose server_info named no publisher (discovery can lag registration)."""
         known = self._workers
         for w in workers:
             if w.url not in known:
                 self.add(w)
+        if self._waiting and time.monotonic() >= self._recheck_at:
+            self._recheck_at = time.monotonic() + 1.0
+            for url in list(self._waiting):
+                self._activate(self._workers[url])
+
+    def feeds_any(self, workers: Sequence[WorkerView]) -> bool:
+        """Whether events can describe at least one of ``workers`` (O(1) when all are fed)."""
+        if not self._waiting:
+            return bool(self._workers)
+        return any(w.url in self._workers and w.url not in self._waiting for w in workers)
 
     def remove(self, url: str) -> None:
         self._workers.pop(url, None)
+        self._waiting.discard(url)
         for pub in [p for p in self._tasks if p.url == url]:
             self._tasks.pop(pub).cancel()
         self.index.remove_worker(url)
-
-    def _spawn(self, worker: WorkerView) -> None:
-        pubs = publishers_for(worker, self.override)
-        if not pubs:
-            log.warning("worker %s publishes no KV events (no server_info.kv_events, no kv_endpoints "
-                        "option): the precise index will never match it", worker.url)
-        for pub in pubs:
-            if pub not in self._tasks:
-                self._tasks[pub] = asyncio.get_running_loop().create_task(self._run(pub))
 
     async def start(self) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
             for worker in self._workers.values():
-                self._spawn(worker)
+                self._activate(worker)
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
@@ -146,15 +173,28 @@ class KvEventFeed:
     # -- one publisher ------------------------------------------------------------------
     def _apply(self, url: str, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, tokens=False)  # the index needs hashes, not token ids
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.counters["decode_errors"] += 1
             log.warning("undecodable KV event batch from %s: %s", url, e)
             return
-        for event in batch.events:
-            self.index.apply(url, event)
+        self.index.apply_batch(url, batch.events)
 
     async def _run(self, pub: Publisher) -> None:
+        """Keep one subscription alive: an unexpected error drops what the worker's state was
+        built from, so it is cleared and the subscription starts over (with a replay)."""
+        while True:
+            try:
+                await self._subscribe(pub)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV event subscriber for %s failed; clearing %s and resubscribing",
+                              pub.endpoint, pub.url)
+                self.index.clear_worker(pub.url)
+                await asyncio.sleep(1.0)
+
+    async def _subscribe(self, pub: Publisher) -> None:
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

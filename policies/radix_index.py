@@ -22,10 +22,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from policies.base import RequestView, WorkerView
-from policies.page_hash_cache import token_bytes
 from policies.prefix_index import IndexMatch, Tiers, Unit
+from wire.hashing import uint32_le
+
+
+_url = attrgetter("url")
 
 
 class _Node:
@@ -54,7 +58,7 @@ def _common_len(edge: str, key: str, pos: int) -> int:
 def tokens_key(token_ids: Sequence[int]) -> str:
     """One code point per token id, via a C-speed UTF-32 decode of the packed ids."""
     try:
-        return token_bytes(token_ids).decode("utf-32-le", "surrogatepass")
+        return uint32_le(token_ids).decode("utf-32-le", "surrogatepass")
     except (UnicodeDecodeError, OverflowError):  # ids past U+10FFFF: fold, collisions are harmless
         return "".join(chr(t % 0x110000) for t in token_ids)
 
@@ -124,7 +128,7 @@ class RadixIndex:
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         key, skip, unit = self._key(request)
         result = IndexMatch(len(key) - skip, unit)
-        wanted = {w.url for w in workers}
+        wanted = set(map(_url, workers))
         hits = result.hits
         # Tenants only shrink going down a path, so the deepest node holding a tenant is
         # where its match ends.

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Installs everything kvgate needs on a fresh Debian/Ubuntu machine into ./.venv:
-# the Debian libraries Mooncake's CPU wheel loads at import time, then the project with
-# its test extras. Safe to run again: it only installs what is missing.
+# the Debian libraries Mooncake's CPU wheel loads at import time, then the project.
+#   scripts/setup.sh          the gateway, simulator and Mooncake (what `kvgate up` needs)
+#   scripts/setup.sh --test   also the test extras and the CPU subset of the real `sglang`
+#                             package that tests/test_engine_*.py import (~2 min, ~1.5 GB)
+# Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+WITH_TESTS=0
+[ "${1:-}" = "--test" ] && WITH_TESTS=1
 
 PY=${PYTHON:-python3}
 DEB_PKGS="libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200"
@@ -24,5 +30,10 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[test]"
+if [ "$WITH_TESTS" = 1 ]; then
+  .venv/bin/python -m pip install -q -e ".[mooncake,test]"
+  PYTHON=.venv/bin/python bash engine_patches/install_sglang_cpu.sh
+else
+  .venv/bin/python -m pip install -q -e ".[mooncake]"
+fi
 echo "setup: ready (.venv/bin/kvgate)"

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--base-port", type=int, default=None)
-    p.add_argument("--kv-events", action="store_true", help="give every worker a ZMQ KV-event publisher")
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                   help="give every worker a ZMQ KV-event publisher (default on)")
     p.add_argument("--startup-timeout", type=float, default=30.0)
     p.add_argument("--log-dir", default=None)
     return p

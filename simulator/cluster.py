@@ -6,8 +6,9 @@ to this checkout so it runs uninstalled.
 
 Port layout when ``base_port`` is given (else every port is a free ephemeral one):
 HTTP ``base_port + i``, PD bootstrap ``base_port + 100 + i``, KV events
-``base_port + 200 + 2i`` (PUB) and ``+1`` (replay), for worker index ``i`` (prefill
-workers first, then decode, then unified).
+``base_port + 200 + 2*dp*i`` (PUB, one per DP rank) and ``+ dp`` (replay), for worker
+index ``i`` (prefill workers first, then decode, then unified). ``kv_event_endpoints``
+names DP rank 0's publisher; rank r is at its port + r, as in SGLang.
 """
 
 from __future__ import annotations
@@ -32,6 +33,34 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _free_run(host: str, n: int) -> int:
+    """A port p with p .. p+n-1 all free (DP rank r's KV publisher binds base + r)."""
+    for _ in range(200):
+        p = _free_port(host)
+        socks = []
+        try:
+            for k in range(1, n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports on {host}")
+
+
+def _dp_size(args: Sequence[str]) -> int:
+    for i, a in enumerate(args):
+        if a == "--dp-size" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--dp-size="):
+            return int(a.split("=", 1)[1])
+    return 1
 
 
 def _status(url: str) -> int | None:
@@ -71,11 +100,15 @@ class _Worker:
 
 
 class SimCluster:
-    """Start ``workers`` unified workers, or ``prefill`` + ``decode`` PD workers (or both)."""
+    """Start ``workers`` unified workers, or ``prefill`` + ``decode`` PD workers (or both).
+
+    KV events are on by default (one PUB + replay socket per worker, listed in
+    ``kv_event_endpoints``) because precise cache-aware routing needs them.
+    """
 
     def __init__(self, workers: int = 4, prefill: int = 0, decode: int = 0, host: str = "127.0.0.1",
                  base_port: int | None = None, engine_args: Sequence[str] = (), startup_timeout: float = 30,
-                 kv_events: bool = False, log_dir: str | None = None) -> None:
+                 kv_events: bool = True, log_dir: str | None = None) -> None:
         self.n_unified, self.n_prefill, self.n_decode = workers, prefill, decode
         self.host = host
         self.base_port = base_port
@@ -113,7 +146,12 @@ class SimCluster:
                     bootstrap = self._port(100 + i)
                     args += ["--disaggregation-bootstrap-port", str(bootstrap)]
                 if self.kv_events:
-                    pub, replay = self._port(200 + 2 * i), self._port(201 + 2 * i)
+                    dp = _dp_size(self.engine_args)
+                    if self.base_port is not None:
+                        pub = self.base_port + 200 + 2 * dp * i
+                        replay = pub + dp
+                    else:
+                        pub, replay = _free_run(self.host, dp), _free_run(self.host, dp)
                     cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv",
                            "replay_endpoint": f"tcp://*:{replay}"}
                     args += ["--kv-events-config", json.dumps(cfg)]

@@ -37,13 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (SGLang's option)")
     p.add_argument("--sglang-version", default=DEFAULT_VERSION)
-    p.add_argument("--dp-size", type=int, default=1, help="reported only; one scheduler per process")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="independent DP ranks in this process (own pool, cache, scheduler, KV publisher)")
     p.add_argument("--tp-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
+    p.add_argument("--enable-priority-scheduling", action="store_true")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true")
     p.add_argument("--enable-cache-report", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--log-requests", action="store_true")
+    p.add_argument("--log-requests", action="store_true", help="one log line per finished request")
     # HiCache
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument("--hicache-ratio", type=float, default=None, help="host pool = ratio x device pool")
@@ -67,10 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     # faults
     p.add_argument("--fault-latency-ms", type=float, default=0.0, help="extra wall latency before answering")
     p.add_argument("--fault-fail-rate", type=float, default=0.0, help="fraction of requests answered 500")
-    p.add_argument("--fault-crash-after", type=int, default=0, help="exit hard after N generation requests")
+    p.add_argument("--fault-crash-after", type=int, default=0,
+                   help="exit hard (os._exit) when generation request N+1 arrives; in-flight streams break")
     p.add_argument("--fault-health-flap-secs", type=float, default=0.0, help="/health alternates 200/503")
     p.add_argument("--fault-transfer-fail-rate", type=float, default=0.0)
     p.add_argument("--fault-hang-rate", type=float, default=0.0, help="accept and never answer")
+    p.add_argument("--fault-garbage-rate", type=float, default=0.0,
+                   help="fraction of generation requests answered 200 with bytes that are not JSON")
     return p
 
 

@@ -120,9 +120,11 @@ class PrefillPD:
         if not st.decode_info.done():
             st.decode_info.set_result(info)
         try:
-            result = await asyncio.shield(st.result)
-        except asyncio.CancelledError:  # the decode gave up
-            raise
+            result = await asyncio.wait_for(asyncio.shield(st.result), self.engine.args.disaggregation_waiting_timeout)
+        except asyncio.TimeoutError:  # the request for this room never reached this prefill
+            self._fail(st, "prefill never received the request for this room")
+            self.rooms.pop(int(info["room"]), None)
+            result = st.result.result()
         return web.Response(body=_enc.encode(result), content_type="application/json")
 
     async def send(self, item: Item, req: Req) -> dict:
@@ -173,12 +175,16 @@ class PrefillPD:
     def queue_gauges(self) -> dict[str, float]:
         return {"num_prefill_bootstrap_queue_reqs": sum(1 for r in self.rooms.values() if not r.decode_info.done())}
 
+    def abort(self, rid: str | None) -> int:
+        return 0  # a prefill request is in the scheduler until its (bounded) hand-off
+
 
 class DecodePD:
     def __init__(self, engine: Engine, te: TransferEngineHandle) -> None:
         self.engine = engine
         self.te = te
         self.transferring = 0
+        self.pending: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -192,7 +198,30 @@ class DecodePD:
         return {"num_decode_transfer_queue_reqs": self.transferring, "num_decode_prealloc_queue_reqs": 0}
 
     async def receive(self, item: Item, req: Req) -> Req:
-        """Wait for this request's KV from its prefill, then hand it to the scheduler."""
+        """Wait for this request's KV from its prefill, then hand it to the scheduler.
+
+        The wait runs as its own task so ``/abort_request`` (a router aborting the decode leg
+        after its prefill leg failed) can end it without tearing down the HTTP response.
+        """
+        task = asyncio.get_running_loop().create_task(self._receive(item, req))
+        self.pending[req.rid] = task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # aborted through /abort_request
+                return self._failed(req, "Abort before KV transfer finished", transfer_failure=False)
+            task.cancel()  # our client went away
+            raise
+        finally:
+            self.pending.pop(req.rid, None)
+
+    def abort(self, rid: str | None) -> int:
+        tasks = list(self.pending.values()) if rid is None else [t for t in (self.pending.get(rid),) if t]
+        for t in tasks:
+            t.cancel()
+        return len(tasks)
+
+    async def _receive(self, item: Item, req: Req) -> Req:
         a, eng = self.engine.args, self.engine
         n = req.prompt_len * a.kv_bytes_per_token
         host = item.bootstrap_host or "127.0.0.1"
@@ -222,7 +251,6 @@ class DecodePD:
                 eng.metrics.kv_transfer_speed.set(n / result["transfer_ms"] / 1e6)
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, MemoryError, OSError) as e:
             log.warning("decode transfer for %s failed: %s", req.rid, e)
-            eng.metrics.transfer_failed.inc()
             return self._failed(req, f"Decode transfer failed for request rid={req.rid}: {type(e).__name__} {e}")
         finally:
             self.transferring -= 1
@@ -230,9 +258,11 @@ class DecodePD:
                 await self.te.pool.free(off, n)
         req.first_token_at = time.monotonic()
         log.debug("room %s: %d bytes in %.1f ms", item.bootstrap_room, n, (time.perf_counter() - t0) * 1000)
-        return eng.submit(req)
+        return eng.submit(req, item.dp_rank)
 
-    def _failed(self, req: Req, message: str) -> Req:
+    def _failed(self, req: Req, message: str, transfer_failure: bool = True) -> Req:
+        if transfer_failure:
+            self.engine.metrics.transfer_failed.inc()
         req.state = FINISHED
         req.abort_message = message
         req.done = asyncio.get_running_loop().create_future()

@@ -61,6 +61,7 @@ class Item:
     cache_salt: str | None = None
     priority: int | None = None
     seed_offset: int = 0
+    dp_rank: int | None = None  # routed_dp_rank (data_parallel_rank before 0.5.x renamed it)
     received: float = field(default_factory=time.monotonic)
 
 
@@ -84,6 +85,8 @@ class Engine:
         self.requests_seen = 0
         self.metrics = Metrics(args.model_name, self.engine_type)
         self.publisher: KVEventPublisher | None = None
+        self.ranks: list[Rank] = []
+        self._next_rank = 0
         self.pd = None  # set by server for PD roles
 
     @property
@@ -96,28 +99,61 @@ class Engine:
         return int(self.profile.max_total_num_tokens * (a.hicache_ratio or 2.0))
 
     async def start(self) -> None:
-        """Build the loop-bound parts (futures, sockets) inside the running loop."""
-        tiers = build_tiers(self.profile.max_total_num_tokens, self.host_tokens)
-        self.cache = RadixCache(self.page_size, tiers, write_through=self.args.hicache_write_policy == "write_through",
-                                clock=time.monotonic, emit_events=self.args.kv_events is not None)
+        """Build the loop-bound parts (futures, sockets) inside the running loop.
+
+        ``--dp-size N`` gives N independent ranks (own pool, radix cache, scheduler and KV
+        publisher on port base + rank), like SGLang's data parallelism without DP attention.
+        """
         self.cost = CostModel(self.profile)
-        if self.args.kv_events is not None:
-            self.publisher = KVEventPublisher(self.args.kv_events, self.args.host,
-                                              legacy_arrays=self.vt < (0, 5, 20))
-            self.publisher.start()
-        self.scheduler = Scheduler(
-            self.cost, self.cache, self.clock, page_size=self.page_size,
-            max_total_tokens=self.profile.max_total_num_tokens, max_running=self.profile.max_running_requests,
-            chunk_size=self.profile.chunked_prefill_size,
-            on_events=self.publisher.publish if self.publisher else None, on_finish=self._on_finish,
-        )
-        self.scheduler.start()
+        for rank in range(max(1, self.args.dp_size)):
+            tiers = build_tiers(self.profile.max_total_num_tokens, self.host_tokens)
+            cache = RadixCache(self.page_size, tiers, write_through=self.args.hicache_write_policy == "write_through",
+                               clock=time.monotonic, emit_events=self.args.kv_events is not None)
+            publisher = None
+            if self.args.kv_events is not None:
+                publisher = KVEventPublisher(_rank_config(self.args.kv_events, rank), self.args.host,
+                                             legacy_arrays=self.vt < (0, 5, 20), dp_rank=rank)
+                publisher.start()
+            sched = Scheduler(
+                self.cost, cache, self.clock, page_size=self.page_size,
+                max_total_tokens=self.profile.max_total_num_tokens, max_running=self.profile.max_running_requests,
+                chunk_size=self.profile.chunked_prefill_size,
+                on_events=publisher.publish if publisher else None, on_finish=self._on_finish,
+                policy=self.args.schedule_policy, priority=self.args.enable_priority_scheduling,
+                low_priority_values_first=self.args.schedule_low_priority_values_first,
+            )
+            sched.start()
+            self.ranks.append(Rank(rank, cache, sched, publisher))
+        self.scheduler, self.cache, self.publisher = self.ranks[0].scheduler, self.ranks[0].cache, self.ranks[0].publisher
         self.ready = True
 
     async def stop(self) -> None:
-        await self.scheduler.stop()
-        if self.publisher:
-            await self.publisher.close()
+        for r in self.ranks:
+            await r.scheduler.stop()
+            if r.publisher:
+                await r.publisher.close()
+
+    # ---- ranks -------------------------------------------------------------------------
+    def sched_of(self, req: Req) -> Scheduler:
+        return self.ranks[req.dp_rank].scheduler
+
+    def abort(self, rid: str | None, message: str) -> int:
+        n = sum(r.scheduler.abort(rid, message) for r in self.ranks)
+        if self.pd is not None:
+            n += self.pd.abort(rid)
+        return n
+
+    def flush(self) -> bool:
+        if any(r.scheduler.busy() for r in self.ranks):
+            return False
+        return all(r.scheduler.flush() for r in self.ranks)
+
+    def host_tier(self) -> tuple[int, int]:
+        """(used, capacity) of the HiCache host pools, summed over ranks."""
+        if not self.host_tokens:
+            return 0, 0
+        return (sum(r.cache.tiers[1].used_tokens for r in self.ranks),
+                sum(r.cache.tiers[1].capacity_tokens for r in self.ranks))
 
     # ---- request parsing -------------------------------------------------------------
     def items_from_generate(self, body: GenerateReqInput) -> tuple[list[Item], bool]:
@@ -162,6 +198,7 @@ class Engine:
                     bootstrap_host=pick(body.bootstrap_host, idx), bootstrap_port=pick(body.bootstrap_port, idx),
                     bootstrap_room=pick(body.bootstrap_room, idx), cache_salt=pick(body.cache_salt, i),
                     priority=body.priority, seed_offset=j,
+                    dp_rank=body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank,
                 ))
                 idx += 1
         return items, batch
@@ -178,7 +215,9 @@ class Engine:
                                 f"length ({self.profile.context_length} tokens).")
         if total > self.profile.max_total_num_tokens:
             raise ApiError(400, f"Requested {total} tokens exceed the KV pool ({self.profile.max_total_num_tokens}).")
-        if self.mode == "decode" and item.bootstrap_room is None:
+        if item.dp_rank is not None and not 0 <= item.dp_rank < len(self.ranks):
+            raise ApiError(400, f"routed_dp_rank {item.dp_rank} is out of range [0, {len(self.ranks)})")
+        if self.mode != "null" and item.bootstrap_room is None:  # prefill and decode alike
             raise ApiError(400, "Disaggregated request received without bootstrap room id")
 
     # ---- running ------------------------------------------------------------------------
@@ -196,15 +235,20 @@ class Engine:
                    use_cache=not self.args.disable_radix_cache and self.mode != "decode",
                    arrival=item.received)
 
-    def submit(self, req: Req) -> Req:
-        if req.rid in self.scheduler.reqs:
+    def submit(self, req: Req, dp_rank: int | None = None) -> Req:
+        if any(req.rid in r.scheduler.reqs for r in self.ranks):
             raise ApiError(400, f"Duplicate request ID: {req.rid}")
-        return self.scheduler.submit(req)
+        if dp_rank is None:  # SGLang's DP controller default: round robin
+            dp_rank = self._next_rank
+            self._next_rank = (self._next_rank + 1) % len(self.ranks)
+        req.dp_rank = dp_rank
+        return self.ranks[dp_rank].scheduler.submit(req)
 
     async def stream_progress(self, req: Req) -> AsyncIterator[int]:
         """Yield the generated-token count each time it grows, ending when ``req`` ends."""
         sent = 0
-        sched = self.scheduler
+        sched = self.sched_of(req)
+        interval = max(1, self.args.stream_interval)
         while True:
             if req.state == FINISHED:
                 n = sched.generated(req)
@@ -212,7 +256,7 @@ class Engine:
                     yield n
                 return
             n = sched.generated(req)
-            if n > sent:
+            if n >= sent + interval or (n > sent and sent == 0):  # the first token goes out at once
                 sent = n
                 yield n
             await sched.tick()
@@ -223,11 +267,17 @@ class Engine:
         gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
         self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
                                     req.abort_message is not None)
+        if self.args.log_requests:
+            log.info("rid=%s prompt=%d cached=%d (device %d, host %d) out=%d ttft=%s e2e=%.4f%s", req.rid,
+                     req.prompt_len, req.cached_tokens, req.cached_device, req.cached_host, gen,
+                     f"{ttft:.4f}" if ttft is not None else "-", now - req.arrival,
+                     f" abort={req.abort_message!r}" if req.abort_message else "")
 
     # ---- answers ---------------------------------------------------------------------------
     def finish_reason(self, req: Req, n: int) -> dict | None:
         if req.abort_message is not None:
-            return {"type": "abort", "message": req.abort_message, "status_code": 500 if req.abort_message.startswith("Decode transfer") else 400}
+            code = 500 if req.abort_message.startswith("Decode transfer") else 400
+            return {"type": "abort", "message": req.abort_message, "status_code": code}
         if req.state != FINISHED:
             return None
         if self.mode == "prefill":
@@ -278,12 +328,16 @@ class Engine:
             return ids[sent:]
         return ids
 
-    def load_snapshot(self) -> dict:
-        s = self.scheduler
-        used = s.used_tokens
+    def load_snapshots(self) -> list[dict]:
+        """One load record per DP rank."""
         cap = self.profile.max_total_num_tokens
-        return {"running": s.running_count, "waiting": s.waiting_count, "used": used, "cap": cap,
-                "usage": used / cap if cap else 0.0}
+        out = []
+        for r in self.ranks:
+            s = r.scheduler
+            used = s.load_tokens
+            out.append({"dp_rank": r.index, "running": s.running_count, "waiting": s.waiting_count, "used": used,
+                        "cap": cap, "usage": used / cap if cap else 0.0})
+        return out
 
     def fault_roll(self, rate: float) -> bool:
         return rate > 0 and self.rng.random() < rate
@@ -295,6 +349,26 @@ class Engine:
         if n and self.requests_seen > n:
             log.error("fault injection: crashing after %d requests", n)
             os._exit(17)
+
+
+@dataclass(slots=True)
+class Rank:
+    index: int
+    cache: RadixCache
+    scheduler: Scheduler
+    publisher: KVEventPublisher | None
+
+
+def _rank_config(cfg: dict, rank: int) -> dict:
+    """SGLang binds DP rank r's publisher (and replay socket) at the base port + r."""
+    if rank == 0:
+        return cfg
+    out = dict(cfg)
+    for key in ("endpoint", "replay_endpoint"):
+        if out.get(key):
+            head, port = out[key].rsplit(":", 1)
+            out[key] = f"{head}:{int(port) + rank}"
+    return out
 
 
 def _unknown_field_message(err: str) -> str:

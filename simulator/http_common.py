@@ -34,10 +34,6 @@ def openai_error(e: ApiError) -> web.Response:
                           "code": e.status}, e.status)
 
 
-def stream_error_chunk(e: ApiError) -> bytes:
-    return sse({"error": {"message": e.message, "type": e.err_type, "code": e.status}})
-
-
 async def open_sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)

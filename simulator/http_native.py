@@ -41,6 +41,8 @@ async def apply_faults(engine: Engine) -> None:
         await sleep_forever()
     if engine.fault_roll(a.fault_fail_rate):
         raise ApiError(500, "Injected failure (--fault-fail-rate)", "InternalServerError")
+    if engine.fault_roll(a.fault_garbage_rate):  # a broken engine or a middlebox mangling the body
+        raise web.HTTPOk(body=b'{"id": "cmpl-\x00\xff\xfe garbage <html>', content_type="application/json")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -111,7 +113,7 @@ async def health_generate(request: web.Request) -> web.Response:
         try:
             await asyncio.wait_for(asyncio.shield(engine.submit(req).done), 20)
         except asyncio.TimeoutError:
-            engine.scheduler.abort(req.rid)
+            engine.sched_of(req).abort(req.rid)
             return web.Response(status=503)
     return web.Response(status=200)
 
@@ -124,10 +126,10 @@ async def ready(request: web.Request) -> web.Response:
 def scheduler_stats(engine: Engine) -> dict[str, float]:
     """Simulated GPU busy time and how far the scheduler fell behind ``--time-scale``
     (benchmarks check these to tell a loaded GPU from a starved CPU)."""
-    s = getattr(engine, "scheduler", None)
-    if s is None:
-        return {}
-    return {"forward_steps": s.forward_steps, "busy_s": s.busy_sim, "lag_max_s": s.lag_max_s, "lag_sum_s": s.lag_sum_s}
+    scheds = [r.scheduler for r in engine.ranks]
+    return {"forward_steps": sum(s.forward_steps for s in scheds), "busy_sim_s": sum(s.busy_sim for s in scheds),
+            "lag_max_s": max((s.lag_max_s for s in scheds), default=0.0),
+            "lag_sum_s": sum(s.lag_sum_s for s in scheds)}
 
 
 def server_info(engine: Engine) -> dict[str, Any]:
@@ -147,6 +149,8 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "max_running_requests": p.max_running_requests,
         "chunked_prefill_size": p.chunked_prefill_size,
         "disable_radix_cache": a.disable_radix_cache,
+        "schedule_policy": a.schedule_policy,
+        "enable_priority_scheduling": a.enable_priority_scheduling,
         "enable_cache_report": a.enable_cache_report,
         "enable_metrics": a.enable_metrics,
         "enable_hierarchical_cache": engine.host_tokens > 0,
@@ -204,35 +208,39 @@ async def get_load(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if engine.vt > (0, 5, 20):
         raise web.HTTPNotFound()
-    s = engine.load_snapshot()
-    return json_response([{"dp_rank": 0, "num_reqs": s["running"] + s["waiting"], "num_waiting_reqs": s["waiting"],
-                           "num_tokens": s["used"], "ts_tic": time.perf_counter()}])
+    return json_response([{"dp_rank": s["dp_rank"], "num_reqs": s["running"] + s["waiting"],
+                           "num_waiting_reqs": s["waiting"], "num_tokens": s["used"], "ts_tic": time.perf_counter()}
+                          for s in engine.load_snapshots()])
 
 
 async def v1_loads(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if engine.vt < (0, 5, 10):
         raise web.HTTPNotFound()
-    s = engine.load_snapshot()
-    load = {"dp_rank": 0, "num_running_reqs": s["running"], "num_waiting_reqs": s["waiting"],
-            "num_used_tokens": s["used"], "max_total_num_tokens": s["cap"], "token_usage": round(s["usage"], 6),
-            "cache_hit_rate": round(engine.metrics.cache_hit_rate, 6),
-            "gen_throughput": engine.metrics.gen_throughput()}
-    if engine.host_tokens:
-        load["hicache_host_used_tokens"] = engine.cache.tiers[1].used_tokens
-        load["hicache_host_total_tokens"] = engine.cache.tiers[1].capacity_tokens
-    return json_response({"timestamp": time.time(), "version": engine.version, "loads": [load]})
+    loads = []
+    for s, rank in zip(engine.load_snapshots(), engine.ranks):
+        load = {"dp_rank": s["dp_rank"], "num_running_reqs": s["running"], "num_waiting_reqs": s["waiting"],
+                "num_used_tokens": s["used"], "max_total_num_tokens": s["cap"], "token_usage": round(s["usage"], 6),
+                "cache_hit_rate": round(engine.metrics.cache_hit_rate, 6),
+                "gen_throughput": engine.metrics.gen_throughput() / len(engine.ranks)}
+        if engine.host_tokens:
+            load["hicache_host_used_tokens"] = rank.cache.tiers[1].used_tokens
+            load["hicache_host_total_tokens"] = rank.cache.tiers[1].capacity_tokens
+        loads.append(load)
+    return json_response({"timestamp": time.time(), "version": engine.version, "loads": loads})
 
 
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.args.enable_metrics:
         raise web.HTTPNotFound()
-    s = engine.load_snapshot()
-    values = {"num_running_reqs": s["running"], "num_queue_reqs": s["waiting"], "num_used_tokens": s["used"],
-              "max_total_num_tokens": s["cap"], "token_usage": s["usage"], "page_size": engine.page_size,
-              "hicache_host_used_tokens": engine.cache.tiers[1].used_tokens if engine.host_tokens else 0,
-              "hicache_host_total_tokens": engine.cache.tiers[1].capacity_tokens if engine.host_tokens else 0}
+    snaps = engine.load_snapshots()
+    used, cap = sum(s["used"] for s in snaps), sum(s["cap"] for s in snaps)
+    host_used, host_total = engine.host_tier()
+    values = {"num_running_reqs": sum(s["running"] for s in snaps), "num_queue_reqs": sum(s["waiting"] for s in snaps),
+              "num_used_tokens": used, "max_total_num_tokens": cap, "token_usage": used / cap if cap else 0.0,
+              "page_size": engine.page_size, "hicache_host_used_tokens": host_used,
+              "hicache_host_total_tokens": host_total}
     if engine.pd is not None:
         values.update(engine.pd.queue_gauges())
     body = engine.metrics.render(values)
@@ -242,7 +250,7 @@ async def metrics(request: web.Request) -> web.Response:
 # ---- control ------------------------------------------------------------------------------------
 async def flush_cache(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if not engine.scheduler.flush():
+    if not engine.flush():
         return web.Response(status=400, text="Cache not flushed. Please check backend logs for more details. "
                                              "(When there are running or waiting requests, the operation will "
                                              "not be performed.)\n")
@@ -255,9 +263,9 @@ async def abort_request(request: web.Request) -> web.Response:
     raw = await request.read()
     body = _any_decoder.decode(raw) if raw else {}
     if body.get("abort_all"):
-        engine.scheduler.abort(None, "Abort all requests")
+        engine.abort(None, "Abort all requests")
     elif body.get("rid"):
-        engine.scheduler.abort(body["rid"], "Abort request")
+        engine.abort(body["rid"], "Abort request")
     return web.Response(status=200)
 
 

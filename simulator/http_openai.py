@@ -67,6 +67,7 @@ def _items(engine: Engine, body: dict[str, Any], prompts: list[list[int]], strea
                 bootstrap_host=_pick(body.get("bootstrap_host"), idx), bootstrap_port=_pick(body.get("bootstrap_port"), idx),
                 bootstrap_room=_pick(body.get("bootstrap_room"), idx), cache_salt=body.get("cache_salt"),
                 priority=body.get("priority"), seed_offset=j,
+                dp_rank=body.get("routed_dp_rank", body.get("data_parallel_rank")),
                 return_logprob=bool(body.get("logprobs")),
             ))
             idx += 1

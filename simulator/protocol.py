@@ -43,9 +43,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
-_lenient = msgspec.convert  # unknown keys dropped when not strict
-
-
 def parse_sampling(raw: Any, strict: bool) -> SamplingParams:
     if raw is None:
         return SamplingParams()
@@ -55,9 +52,6 @@ def parse_sampling(raw: Any, strict: bool) -> SamplingParams:
         known = SamplingParams.__struct_fields__
         raw = {k: v for k, v in raw.items() if k in known}
     return msgspec.convert(raw, SamplingParams)
-
-
-Scalar = int | str | None
 
 
 class GenerateReqInput(msgspec.Struct, omit_defaults=True):

@@ -37,7 +37,7 @@ class Tier:
 
 
 class Node:
-    __slots__ = ("key", "parent", "children", "tokens", "present", "lock_ref", "last_access", "depth")
+    __slots__ = ("key", "parent", "children", "tokens", "present", "lock_ref", "last_access", "depth", "salt")
 
     def __init__(self, key: int | None, parent: Node | None, tokens: tuple[int, ...], depth: int) -> None:
         self.key = key
@@ -48,6 +48,7 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0.0
         self.depth = depth  # pages from the root
+        self.salt: str | None = None  # the request's cache_salt, echoed in BlockStored
 
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}, present={self.present:b}, lock={self.lock_ref})"
@@ -111,8 +112,8 @@ class RadixCache:
         return self.tiers[tier].used_tokens
 
     # ---- mutation --------------------------------------------------------------------
-    def insert(self, hashes: Sequence[int], tokens: Sequence[int], parent_hash_of_first: int | None = None,
-               start: Node | None = None) -> list[Node]:
+    def insert(self, hashes: Sequence[int], tokens: Sequence[int], start: Node | None = None,
+               salt: str | None = None) -> list[Node]:
         """Insert full pages onto the device; returns the path (existing + new nodes).
 
         Pages already present elsewhere (host) are promoted back to the device. The caller
@@ -126,6 +127,7 @@ class RadixCache:
             child = node.children.get(h)
             if child is None:
                 child = Node(h, node, tuple(tokens[i * ps:(i + 1) * ps]), node.depth + 1)
+                child.salt = salt
                 node.children[h] = child
             child.last_access = now
             if not child.present & 1:
@@ -215,6 +217,7 @@ class RadixCache:
             self.events.append(BlockStored(
                 block_hashes=[node.key], parent_block_hash=parent.key if parent is not self.root else None,
                 token_ids=list(node.tokens), block_size=len(node.tokens), lora_id=None, medium=medium,
+                cache_salt=node.salt,
             ))
         self._refresh(node)
         if node.parent is not None and node.parent is not self.root:

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import ApiError, Engine, Item
+from .engine import Engine, Item
 from .scheduler import FINISHED, Req
 
 
@@ -26,7 +26,7 @@ async def run_item(engine: Engine, item: Item, stream: bool) -> AsyncIterator[Pr
         req = await engine.pd.receive(item, engine.make_req(item, prefilled=True))
         pd_meta = None
     else:
-        req = engine.submit(engine.make_req(item))
+        req = engine.submit(engine.make_req(item), item.dp_rank)
         pd_meta = None
     try:
         if stream and engine.mode != "prefill":
@@ -36,10 +36,10 @@ async def run_item(engine: Engine, item: Item, stream: bool) -> AsyncIterator[Pr
         await asyncio.shield(req.done)
         if engine.mode == "prefill" and req.abort_message is None:
             pd_meta = await engine.pd.send(item, req)
-        yield Progress(item, req, engine.scheduler.generated(req), True, pd_meta)
+        yield Progress(item, req, engine.sched_of(req).generated(req), True, pd_meta)
     finally:
         if req.state != FINISHED:  # client went away or the task was cancelled
-            engine.scheduler.abort(req.rid, "The client disconnected.")
+            engine.sched_of(req).abort(req.rid, "The client disconnected.")
 
 
 async def collect(engine: Engine, item: Item) -> Progress:
@@ -48,8 +48,3 @@ async def collect(engine: Engine, item: Item) -> Progress:
         last = p
     assert last is not None
     return last
-
-
-def raise_if_aborted(p: Progress) -> None:
-    if p.req.abort_message is not None and p.req.abort_message.startswith("Decode transfer"):
-        raise ApiError(500, p.req.abort_message, "InternalServerError")

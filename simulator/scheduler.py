@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from .clock import SimClock
 from .cost_model import CostModel
 from .generation import Planned
 from .radix_cache import RadixCache
+
+log = logging.getLogger("simulator.scheduler")
 
 RESERVE_RATIO = 0.3  # SGLang's new_token_ratio decays from 0.7 towards ~0.14; a middle value
 CLIP_MAX_NEW = 4096  # SGLang's CLIP_MAX_NEW_TOKENS for the reservation estimate
@@ -39,6 +43,7 @@ class Req:
     priority: int | None = None
     prefilled: bool = False  # PD decode: KV arrived from prefill, skip the extend
     use_cache: bool = True
+    dp_rank: int = 0
     arrival: float = field(default_factory=time.monotonic)
     state: str = WAITING
     digests: list[bytes] | None = None
@@ -75,8 +80,13 @@ class Scheduler:
     def __init__(self, cost: CostModel, cache: RadixCache, clock: SimClock, *, page_size: int,
                  max_total_tokens: int, max_running: int, chunk_size: int,
                  on_events: Callable[[list], None] | None = None,
-                 on_finish: Callable[[Req], None] | None = None) -> None:
+                 on_finish: Callable[[Req], None] | None = None,
+                 policy: str = "fcfs", priority: bool = False, low_priority_values_first: bool = False) -> None:
         self.cost, self.cache, self.clock = cost, cache, clock
+        self.policy = policy
+        self.priority = priority
+        self._prio_sign = 1 if low_priority_values_first else -1
+        self._unsorted = False
         self.page_size = page_size
         self.capacity = max_total_tokens
         self.max_running = max_running
@@ -109,7 +119,17 @@ class Scheduler:
 
     # ---- public API ----------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="scheduler")
+        self._task = asyncio.get_running_loop().create_task(self._guarded(), name="scheduler")
+
+    async def _guarded(self) -> None:
+        """A scheduler bug must end the process loudly, never leave clients hanging."""
+        try:
+            await self.run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("scheduler loop crashed")
+            os._exit(70)
 
     async def stop(self) -> None:
         if self._task:
@@ -126,12 +146,16 @@ class Scheduler:
             self.ready.append(req)
         else:
             self.waiting.append(req)
+            self._unsorted = True
         self._wake.set()
         return req
 
     def tick(self) -> asyncio.Future:
-        """A future resolved at the next wall-clock instant the scheduler yields."""
-        return self._tick
+        """A future resolved at the next wall-clock instant the scheduler yields.
+
+        Shielded: every stream awaits the same future, and a client that disconnects cancels
+        its own wait, which must not cancel everyone else's tick."""
+        return asyncio.shield(self._tick)
 
     def generated(self, req: Req) -> int:
         if req.state == RUNNING:
@@ -161,6 +185,12 @@ class Scheduler:
     @property
     def used_tokens(self) -> int:
         return self.cache.tiers[0].used_tokens + self.private_prompt + self.gen_tokens_running
+
+    @property
+    def load_tokens(self) -> int:
+        """What SGLang reports as num_used_tokens: the pool minus free and evictable pages,
+        i.e. tokens pinned by requests (an idle cache is not load)."""
+        return self.cache.locked_tokens + self.private_prompt + self.gen_tokens_running
 
     def busy(self) -> bool:
         return bool(self.reqs)
@@ -217,7 +247,7 @@ class Scheduler:
     def _notify(self) -> None:
         if not self._tick.done():
             self._tick.set_result(None)
-            self._tick = asyncio.get_running_loop().create_future()
+        self._tick = asyncio.get_running_loop().create_future()
 
     # ---- admission -----------------------------------------------------------------------
     def _take_ready(self) -> None:
@@ -277,7 +307,30 @@ class Scheduler:
         self.sum_max_new += r.max_new
         return True, host_pages * ps
 
+    def _order_waiting(self) -> None:
+        """SGLang's schedule policies: fcfs keeps arrival order; lpm serves the longest
+        cached prefix first (falling back to fcfs past 128 waiting, as SGLang does); with
+        priority scheduling the priority decides first (larger first unless
+        low_priority_values_first)."""
+        lpm = self.policy == "lpm" and len(self.waiting) <= 128
+        if not (lpm or (self.priority and self._unsorted)):
+            return
+        key_parts = []
+        for r in self.waiting:
+            prio = self._prio_sign * (r.priority or 0) if self.priority else 0
+            hit = 0
+            if lpm and r.use_cache:
+                if r.hashes is None:
+                    self._hash_prompt(r)
+                hit = self.cache.match(r.hashes[: (r.prompt_len - 1) // self.page_size], touch=False).pages
+            key_parts.append(((prio, -hit, r.arrival), r))
+        key_parts.sort(key=lambda kr: kr[0])
+        self.waiting = deque(r for _, r in key_parts)
+        self._unsorted = False
+
     def _form_extend(self) -> tuple[list[tuple[Req, int]], int]:
+        if self.waiting:
+            self._order_waiting()
         budget = self.chunk_size
         parts: list[tuple[Req, int]] = []
         host_load = 0
@@ -310,19 +363,26 @@ class Scheduler:
             if r.state != PREFILL:  # aborted meanwhile
                 continue
             r.extended += take
+            if r.use_cache:
+                self._cache_prefix(r, r.extended)
             if r.extended < r.prompt_len:
                 continue
-            if r.use_cache:
-                full = r.prompt_len // self.page_size
-                path = self.cache.insert(r.hashes[:full], r.input_ids)
-                if path:
-                    self.cache.lock(path[-1])
-                    self.cache.unlock(r.node)
-                    r.node = path[-1]
-                    self.private_prompt -= full * self.page_size - r.locked_len
-                    r.locked_len = full * self.page_size
             r.first_token_at = now
             self._start_decode(r)
+
+    def _cache_prefix(self, r: Req, tokens: int) -> None:
+        """Put the computed full pages into the tree, as SGLang's cache_unfinished_req does
+        after every chunk: a long prompt becomes reusable (and visible in KV events) while
+        it is still being prefilled."""
+        full = tokens // self.page_size
+        if full * self.page_size <= r.locked_len:
+            return
+        path = self.cache.insert(r.hashes[:full], r.input_ids, salt=r.cache_salt)
+        self.cache.lock(path[-1])
+        self.cache.unlock(r.node)
+        r.node = path[-1]
+        self.private_prompt -= full * self.page_size - r.locked_len
+        r.locked_len = full * self.page_size
 
     def _start_decode(self, r: Req) -> None:
         if r.first_token_at is None:
@@ -344,6 +404,9 @@ class Scheduler:
 
     def _apply_decode(self) -> None:
         self.steps += 1
+        over = self.used_tokens - self.capacity
+        if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang
+            self.cache.evict(0, over)
         heap = self._heap
         while heap and heap[0][0] <= self.steps:
             _, _, r = heapq.heappop(heap)
@@ -386,7 +449,7 @@ class Scheduler:
         hashes = [digest_to_int64(d) for d in digests]
         # the output pages were private decode tokens until now: no net growth, but
         # page-align: the new pages move into the tree
-        self.cache.insert(hashes, tokens, start=r.node if full_prompt else None)
+        self.cache.insert(hashes, tokens, start=r.node if full_prompt else None, salt=r.cache_salt)
 
     def _finish(self, r: Req) -> None:
         self._release(r, insert_output=True)

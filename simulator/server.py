@@ -11,15 +11,31 @@ from aiohttp import web
 
 from .config import parse_args
 from .engine import Engine
-from .http_common import ENGINE
+from .http_common import ENGINE, json_response
 
 log = logging.getLogger("simulator")
+
+
+@web.middleware
+async def fastapi_shapes(request: web.Request, handler):
+    """SGLang runs on FastAPI/uvicorn: unknown routes and wrong methods answer in its shapes."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, 404)
+    except web.HTTPMethodNotAllowed:
+        return json_response({"detail": "Method Not Allowed"}, 405)
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = "uvicorn"
 
 
 def build_app(engine: Engine) -> web.Application:
     from . import http_native, http_openai
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[fastapi_shapes])
+    app.on_response_prepare.append(_server_header)
     app[ENGINE] = engine
     http_native.add_routes(app)
     http_openai.add_routes(app)
@@ -40,7 +56,8 @@ async def serve(argv: list[str] | None) -> int:
             print(f"error: --disaggregation-mode {args.disaggregation_mode} needs mooncake "
                   f"(pip install mooncake-transfer-engine-non-cuda): {e}", file=sys.stderr)
             return 2
-    runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away aborts its request, as in SGLang
+    runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024)
     await site.start()

@@ -151,3 +151,12 @@ def test_transfer_failures_are_retried_and_everyone_else_succeeds(procs):
     failed = sum(metric_value(get_text(p) , "sglang:num_transfer_failed_reqs_total")
                  for p in [u + "/metrics" for u, _ in prefills] + [d.url + "/metrics" for d in decodes])
     assert failed >= 1  # the fault really fired, and the gateway hid it
+
+
+def test_hanging_decode_times_out_with_504_and_aborts_prefill(procs):
+    gw, _, _ = start_pd(procs, 1, 1, decode_args=("--fault-hang-rate", "1.0"),
+                        gateway_args=("--request-timeout-secs", "2", "--max-retries", "0"))
+    started = time.monotonic()
+    status, data = request_json("POST", gw.url + "/generate", {"text": "hang", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 504 and data["error"]["code"] == "upstream_timeout"
+    assert time.monotonic() - started < 10

@@ -231,12 +231,49 @@ def test_routing_follows_events_and_falls_back_without_token_ids(caplog):
     asyncio.run(main())
 
 
+PUBLISHING = {"page_size": PS, "kv_events": {"endpoint": "tcp://*:5557", "topic": "kv"}}  # never started
+
+
 def test_speculative_entries_cover_the_gap_before_events():
     policy = KvEvents(speculative_ttl_s=30)
-    ws = [WorkerView(f"http://127.0.0.1:{31000 + i}", server_info={"page_size": PS}) for i in range(3)]
+    ws = [WorkerView(f"http://127.0.0.1:{31000 + i}", server_info=PUBLISHING) for i in range(3)]
     prompt = [9] * 40
     first = policy.select(req(prompt, "a"), ws)
     second = policy.select(req(prompt + [1] * 8, "b"), ws)
     assert second.worker.url == first.worker.url and second.predicted_cached_tokens == 40
     policy.index.precise.expire(now=time.monotonic() + 60)
     assert policy.index.precise.match(req(prompt, "c"), ws).hits == {}
+
+
+def test_server_info_that_arrives_after_the_worker_is_picked_up():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        engine = EnginePublisher(ctx)
+        worker = WorkerView("http://127.0.0.1:30001")  # still starting: no server_info yet
+        policy = KvEvents(speculative_ttl_s=0)
+        await policy.start()
+        policy.on_worker_added(worker)
+        try:
+            assert policy.stats()["kv_subscribers"] == 0
+            worker.server_info = engine.server_info()  # the gateway's discovery caught up
+            policy.select(req([1] * 8, "x"), [worker])
+            await engine.wait_subscriber()
+            await engine.send(stored(A))
+            await until(lambda: hit(policy, worker, A) == 8)
+        finally:
+            await _teardown(ctx, engine, policy)
+
+    asyncio.run(main())
+
+
+def test_fleet_without_kv_events_routes_on_the_approximate_index(caplog):
+    caplog.set_level(logging.WARNING, logger="kvgate.policies")
+    policy = KvEvents()
+    ws = [WorkerView(f"http://127.0.0.1:{32000 + i}", server_info={"page_size": PS}) for i in range(3)]
+    prompt = "a long shared document " * 30
+    first = policy.select(req(list(prompt.encode()), "a", text=prompt), ws)
+    second = policy.select(req(list((prompt + "?").encode()), "b", text=prompt + "?"), ws)
+    assert second.worker.url == first.worker.url and second.reason == "prefix"
+    stats = policy.stats()
+    assert stats["fallback_no_events_total"] == 2 and stats["fallback_requests_total"] == 2
+    assert "publishes KV events" in caplog.text and "names no KV event publisher" in caplog.text

@@ -45,7 +45,7 @@ ops = st.lists(
 @settings(max_examples=250, deadline=None)
 @given(ops, st.lists(seqs, min_size=1, max_size=5))
 def test_match_equals_naive_chains(operations, queries):
-    index = BlockIndex(speculative_ttl_s=0)
+    index = BlockIndex(speculative_ttl_s=0, shared_pool=False)  # the naive model keeps pools per worker
     held: dict[str, set[tuple[int, int]]] = {u: set() for u in URLS}
     for op, url, tokens, tier in operations:
         hashes = page_hashes(tokens, PS)
@@ -120,7 +120,7 @@ def test_orphans_are_counted_and_page_sizes_differ_per_worker():
 def test_page_hash_cache_equals_wire_hashing(prompts, page_size, salt):
     from policies.page_hash_cache import PageHashCache
 
-    cache = PageHashCache(every=2, max_checkpoints=8)
+    cache = PageHashCache(every=2, max_segments=8)
     grown = []
     for p in prompts:  # conversations grow: each prompt extends the previous one
         grown = grown + p
@@ -138,3 +138,65 @@ def test_page_hash_cache_reuses_the_previous_turn():
     turn2 = turn1 + [7] * 50
     assert cache.hashes(turn2, 2) == page_hashes(turn2, 2)
     assert cache.pages_hashed - hashed <= 25 + 4 and cache.pages_reused >= 196
+
+
+def _reference_page_hashes(tokens, page_size, salt=None):
+    """SGLang's chain transcribed literally (struct per page), to pin wire.hashing down."""
+    import hashlib
+    import struct
+
+    prev = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).digest() if salt else None
+    out = []
+    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
+        h = hashlib.sha256()
+        if prev is not None:
+            h.update(prev)
+        h.update(struct.pack(f"<{page_size}I", *tokens[start:start + page_size]))
+        prev = h.digest()
+        out.append(int.from_bytes(prev[:8], "big", signed=True))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.sampled_from([1, 2, 3, 16]),
+       st.sampled_from([None, "", "tenant"]))
+def test_wire_hashing_matches_the_literal_chain(tokens, page_size, salt):
+    assert page_hashes(tokens, page_size, salt) == _reference_page_hashes(tokens, page_size, salt)
+
+
+def test_speculative_pages_extend_reported_ones():
+    """A follow-up recorded after its prefix was reported only adds the new pages; the
+    walk must still see reported + speculative pages as one prefix."""
+    index = BlockIndex(speculative_ttl_s=30)
+    first = list(range(8))
+    index.apply(URLS[0], BlockStored(page_hashes(first, PS), None, first, PS))
+    follow_up = first + [50, 51, 52, 53]
+    request = req(follow_up, rid="f")
+    assert index.match(request, WORKERS).hits[URLS[0]].gpu == 8
+    index.record(request, WORKERS[0])
+    assert len(index._spec) == 2  # only the two new pages
+    assert index.match(req(follow_up + [9], rid="g"), WORKERS).hits[URLS[0]].gpu == 12
+
+
+def test_batches_decoded_without_token_ids_apply_like_full_ones():
+    from wire.kv_events import BlockStoredRef, EventBatch, decode_batch, encode_batch
+
+    tokens = list(range(8))
+    events = [BlockStored(page_hashes(tokens, PS), None, tokens, PS, None, "cpu_pinned"),
+              BlockRemoved(page_hashes(tokens, PS)[1:], "CPU_PINNED")]
+    for legacy in (False, True):
+        batch = decode_batch(encode_batch(EventBatch(1.0, events), legacy_arrays=legacy), tokens=False)
+        assert isinstance(batch.events[0], BlockStoredRef if not legacy else BlockStored)
+        index = BlockIndex()
+        index.apply_batch(URLS[0], batch.events)
+        assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 2, 0)
+
+
+def test_page_size_comes_from_the_events_when_server_info_lacks_it():
+    index = BlockIndex(default_page_size=1)
+    worker = WorkerView(URLS[0])  # discovery has not filled server_info yet
+    tokens = list(range(16))
+    assert index.page_size_of(worker) == 1
+    index.apply(URLS[0], BlockStored(page_hashes(tokens, 8), None, tokens, 8))
+    assert index.page_size_of(worker) == 8
+    assert index.match(req(tokens), [worker]).hits[URLS[0]].gpu == 16

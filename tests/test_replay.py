@@ -9,6 +9,7 @@ import json
 from bench.replay import main as replay_main
 from bench.replay import replay
 from bench.trace import TraceRecord, bounded_oracle_hit_rate, expand, load_trace, oracle_hit_rate
+from simulator.cluster import SimCluster
 from tests.sim_support import sim_worker
 
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
@@ -36,7 +37,7 @@ def test_oracle_hit_rates():
 
 
 def test_replay_against_simulator(tmp_path):
-    recs = [TraceRecord(i * 10, 700 + i, 4, [0, 100 + (i % 2)]) for i in range(12)]
+    recs = [TraceRecord(i * 1000, 700 + i, 4, [0, 100 + (i % 2)]) for i in range(12)]  # 20 ms apart in wall time
     with sim_worker("--time-scale", "50") as (url, _):
         result = asyncio.run(replay(recs, url, api="generate", speedup=50, concurrency=8))
         s = result.summary()
@@ -53,6 +54,12 @@ def test_replay_against_simulator(tmp_path):
         out = tmp_path / "out"
         assert replay_main(["--url", url, "--trace", str(trace), "--limit", "6", "--api", "completions",
                             "--out", str(out)]) == 0
+        # several workers: client-side routing, per-worker load sampled from /v1/loads
+        with SimCluster(workers=2, engine_args=["--time-scale", "50"], kv_events=False) as c:
+            multi = asyncio.run(replay(recs, c.urls, api="generate", speedup=50, load_urls=c.urls,
+                                       load_interval=0.02))
+        assert {r.worker for r in multi.rows} == set(c.urls)
+        assert {x.url for x in multi.loads} == set(c.urls)
     rows = list(csv.DictReader(open(out / "requests.csv")))
     assert len(rows) == 6 and all(r["ok"] == "True" for r in rows)
     assert json.loads((out / "summary.json").read_text())["summary"]["ok"] == 6

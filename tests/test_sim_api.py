@@ -147,8 +147,11 @@ def test_info_models_load_routes(worker):
     assert get(worker + "/v1/models")["data"][0]["id"] == "sim-llama-8b"
     loads = get(worker + "/v1/loads")
     assert loads["loads"][0]["max_total_num_tokens"] == info["max_total_num_tokens"]
-    with pytest.raises(urllib.error.HTTPError):  # 0.5.23 has no /get_load
+    with pytest.raises(urllib.error.HTTPError) as e:  # 0.5.23 has no /get_load
         get(worker + "/get_load")
+    assert e.value.code == 404 and json.loads(e.value.read()) == {"detail": "Not Found"}  # FastAPI's shape
+    with urllib.request.urlopen(worker + "/health", timeout=5) as r:
+        assert r.headers["Server"] == "uvicorn"
     metrics = urllib.request.urlopen(worker + "/metrics", timeout=5).read().decode()
     assert 'sglang:num_running_reqs{engine_type="unified",model_name="sim-llama-8b",pp_rank="0",tp_rank="0"}' in metrics
     assert "sglang:time_to_first_token_seconds_bucket" in metrics
@@ -173,3 +176,24 @@ def test_flush_cache_refused_while_running_and_abort(worker):
     status, out = result["r"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert post(worker + "/flush_cache", {})[0] == 200
+
+
+def test_client_disconnect_aborts_request(worker):
+    import http.client
+
+    host, port = worker.split("//")[1].split(":")
+    for stream in (True, False):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/generate", body=json.dumps({"text": "bye", "stream": stream,
+                                                           "sampling_params": {"max_new_tokens": 100000}}),
+                     headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 1
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 10
+        while get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert get(worker + "/v1/loads")["loads"][0]["num_running_reqs"] == 0, f"stream={stream}"

@@ -24,6 +24,13 @@ def test_sim_cluster_start_stop():
     assert all(http_status(u + "/health") is None for u in urls)
 
 
+def test_sim_cluster_dp_ranks_get_port_runs():
+    with SimCluster(workers=2, engine_args=["--time-scale", "20", "--dp-size", "2"]) as c:
+        for url in c.urls:
+            loads = json.loads(urllib.request.urlopen(url + "/v1/loads", timeout=5).read())["loads"]
+            assert [x["dp_rank"] for x in loads] == [0, 1]
+
+
 def test_kvgate_sim_cli_prints_urls_and_stops_on_sigterm():
     proc = Proc.python("simulator", "sim", "--workers", "2", "--time-scale", "20", name="kvgate-sim")
     try:

@@ -77,6 +77,11 @@ def test_hash_vector_and_replay(version, legacy):
             got = _collect(sub, lambda fs: any(e.block_hashes == [salted[1]] for f in fs
                                                for e in decode_batch(f[2]).events if isinstance(e, BlockStored)))
             assert got and not set(salted) & set(VECTOR)
+            salted_ev = next(e for f in got for e in decode_batch(f[2]).events
+                             if isinstance(e, BlockStored) and e.block_hashes == [salted[1]])
+            assert salted_ev.parent_block_hash == salted[0]
+            if not legacy:  # the array form has no slot for it
+                assert salted_ev.cache_salt == "tenant-a"
 
             # flush -> AllBlocksCleared
             urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=5)

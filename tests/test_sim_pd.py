@@ -29,7 +29,8 @@ def post(url: str, body: dict, timeout: float = 30) -> tuple[int, object]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else None
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
@@ -72,10 +73,31 @@ def test_pd_request_moves_kv_through_mooncake(pd):
                                                             timeout=5).read())
 
 
-def test_decode_without_room_is_400(pd):
-    status, body = post(pd.decode[0] + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
-    assert status == 400
-    assert body["error"]["message"] == "Disaggregated request received without bootstrap room id"
+def test_requests_without_room_are_400(pd):
+    for url in (pd.decode[0], pd.prefill[0][0]):
+        status, body = post(url + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        assert status == 400
+        assert body["error"]["message"] == "Disaggregated request received without bootstrap room id"
+
+
+def test_abort_request_ends_a_decode_leg_waiting_for_kv(pd):
+    durl = pd.decode[0]
+    body = {"text": "orphan", "rid": "leg-1", "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.prefill[0][1],
+            "bootstrap_room": 999, "sampling_params": {"max_new_tokens": 4}}
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", post(durl + "/generate", body)))
+    t0 = time.monotonic()
+    t.start()
+    deadline = time.monotonic() + 5
+    while metric(durl, "sglang:num_decode_transfer_queue_reqs") == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(durl, "sglang:num_decode_transfer_queue_reqs") == 1
+    assert post(durl + "/abort_request", {"rid": "leg-1"})[0] == 200
+    t.join(10)
+    assert time.monotonic() - t0 < 1.4  # well before the 1.5 s waiting timeout
+    status, data = out["r"]
+    assert data["meta_info"]["finish_reason"]["type"] == "abort"
+    assert metric(durl, "sglang:num_decode_transfer_queue_reqs") == 0
 
 
 def test_room_that_never_arrives_times_out(pd):

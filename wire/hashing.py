@@ -8,7 +8,8 @@ A ``cache_salt`` seeds the chain so salted requests never share pages with unsal
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 _SALT_PREFIX = b"sglang-cache-salt-v1\0"
@@ -25,23 +26,32 @@ def digest_to_int64(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+def uint32_le(token_ids: Sequence[int]) -> bytes:
+    """Tokens packed as SGLang hashes them (uint32 little-endian), in one C conversion."""
+    buf = array("I", token_ids)
+    if sys.byteorder != "little":
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def chain_digests(data: bytes, page_size: int, prev: bytes | None = None) -> list[bytes]:
+    """The digest chain over packed tokens (``uint32_le``), one per full page after ``prev``."""
+    out: list[bytes] = []
+    step, sha256 = 4 * page_size, hashlib.sha256
+    for start in range(0, len(data) - len(data) % step, step):
+        prev = sha256(data[start : start + step] if prev is None else prev + data[start : start + step]).digest()
+        out.append(prev)
+    return out
+
+
 def page_digests(
     token_ids: Sequence[int], page_size: int, cache_salt: str | None = None, *, prev: bytes | None = None
 ) -> list[bytes]:
     """Raw SHA-256 digests of every *full* page; a trailing partial page is never cached."""
-    out: list[bytes] = []
     if prev is None:
         prev = salt_seed(cache_salt)
     full = len(token_ids) - len(token_ids) % page_size
-    fmt = struct.Struct(f"<{page_size}I")
-    for start in range(0, full, page_size):
-        h = hashlib.sha256()
-        if prev is not None:
-            h.update(prev)
-        h.update(fmt.pack(*token_ids[start : start + page_size]))
-        prev = h.digest()
-        out.append(prev)
-    return out
+    return chain_digests(uint32_le(token_ids[:full]), page_size, prev)
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None) -> list[int]:

@@ -30,6 +30,18 @@ class BlockStored(_MapEvent, tag="BlockStored"):
     cache_salt: str | None = None
 
 
+class BlockStoredRef(_MapEvent, tag="BlockStored"):
+    """BlockStored without ``token_ids``, for routers that only need the hashes: msgspec
+    skips the (long) token list without building it. See ``decode_batch(tokens=False)``."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+    cache_salt: str | None = None
+
+
 class BlockRemoved(_MapEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None = "GPU"
@@ -48,6 +60,12 @@ class EventBatch(msgspec.Struct, array_like=True):
     attn_dp_rank: int | None = None
 
 
+class _RefBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Union[BlockStoredRef, BlockRemoved, AllBlocksCleared]]
+    attn_dp_rank: int | None = None
+
+
 class _RawBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
@@ -58,6 +76,7 @@ _SEQ = struct.Struct(">q")
 _encoder = msgspec.msgpack.Encoder()
 _map_decoder = msgspec.msgpack.Decoder(EventBatch)
 _raw_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_ref_decoder = msgspec.msgpack.Decoder(_RefBatch)
 _any_decoder = msgspec.msgpack.Decoder()
 
 
@@ -95,8 +114,14 @@ def _from_legacy(raw: list) -> Event:
     raise ValueError(f"unknown KV event {kind!r}")
 
 
-def decode_batch(payload: bytes) -> EventBatch:
-    """Decode either SGLang encoding; unknown event kinds raise ValueError."""
+def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
+    """Decode either SGLang encoding; unknown event kinds raise ValueError. With
+    ``tokens=False`` map-encoded stores come back as ``BlockStoredRef`` (no token ids)."""
+    if not tokens:
+        try:
+            return _ref_decoder.decode(payload)  # type: ignore[return-value]  # same shape
+        except msgspec.ValidationError:
+            pass  # legacy arrays: decoded in full below
     try:
         return _map_decoder.decode(payload)
     except msgspec.ValidationError:

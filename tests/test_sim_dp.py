@@ -1,0 +1,60 @@
+"""--dp-size: independent DP ranks in one worker, addressed with routed_dp_rank."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import zmq
+
+from tests.sim_support import sim_worker
+from simulator.cluster import _free_run
+from wire.kv_events import BlockStored, decode_batch
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_dp_ranks_have_their_own_cache_loads_and_publishers():
+    base = _free_run("127.0.0.1", 2)  # the rank-1 publisher binds base + 1 (SGLang's layout)
+    cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}", "topic": "kv"})
+    with sim_worker("--time-scale", "50", "--dp-size", "2", "--kv-events-config", cfg) as (url, _):
+        ctx = zmq.Context()
+        subs = []
+        for rank in range(2):
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(f"tcp://127.0.0.1:{base + rank}")
+            subs.append(s)
+        try:
+            time.sleep(0.3)
+            text = "D" * 700
+            body = {"text": text, "routed_dp_rank": 1, "sampling_params": {"max_new_tokens": 2}}
+            assert post(url + "/generate", body)[1]["meta_info"]["cached_tokens"] == 0
+            assert post(url + "/generate", body)[1]["meta_info"]["cached_tokens"] >= 640
+            other = post(url + "/generate", dict(body, routed_dp_rank=0))[1]
+            assert other["meta_info"]["cached_tokens"] == 0  # rank 0 never saw it
+            status, err = post(url + "/generate", dict(body, routed_dp_rank=2))
+            assert status == 400
+            loads = json.loads(urllib.request.urlopen(url + "/v1/loads", timeout=5).read())["loads"]
+            assert [entry["dp_rank"] for entry in loads] == [0, 1]
+            # rank 1's events on base + 1, tagged attn_dp_rank 1
+            got = []
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not got:
+                if subs[1].poll(100):
+                    got.append(decode_batch(subs[1].recv_multipart()[2]))
+            assert got and got[0].attn_dp_rank == 1
+            assert any(isinstance(e, BlockStored) for e in got[0].events)
+        finally:
+            for s in subs:
+                s.close(0)
+            ctx.term()
