@@ -117,14 +117,7 @@ def plot(out: Path, runs: list[dict], rows: list[dict], setup: dict | None = Non
             ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=row["label"],
                     linestyle="-" if row["router"] == "kvgate" else "--")
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (simulated s)")
-    ax.set_ylabel("CDF")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    p1 = out / PLOTS[0]
-    fig.savefig(p1, dpi=90)
-    plt.close(fig)
+    p1 = _save(plt, fig, ax, "TTFT (simulated s)", "CDF", out / PLOTS[0])
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run, row in zip(runs, rows):
@@ -142,20 +135,25 @@ def plot(out: Path, runs: list[dict], rows: list[dict], setup: dict | None = Non
         ax.axhline(setup["oracle_hit_rate"], color="black", linestyle=":", label="oracle (whole slice)")
         ax.axhline(setup["bounded_oracle_hit_rate"], color="grey", linestyle=":", label="bounded oracle (whole slice)")
     ax.set_ylim(0, 0.6)
-    ax.set_xlabel("arrival time (simulated s)")
-    ax.set_ylabel("hit rate (cached / prompt tokens, per window)")
+    p2 = _save(plt, fig, ax, "arrival time (simulated s)", "hit rate (cached / prompt tokens, per window)", out / PLOTS[1])
+    return [p1, p2]
+
+
+def _save(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    p2 = out / PLOTS[1]
-    fig.savefig(p2, dpi=90)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
-    return [p1, p2]
+    return path
 
 
 def section(meta: dict, rows: list[dict], notes: str = "") -> str:
     s = meta["setup"]
-    lagged = [r["label"] for r in rows if r["lagged"]]
+    lagged = [f"{r['label']} (scheduler lag mean {r['sim_lag_mean_s']:.4f} s, max {r['sim_lag_max_s']:.3f} s; "
+              f"client send delay p99 {r['send_delay_p99_s']:.3f} s)" for r in rows if r["lagged"]]
     lines = [
         BEGIN,
         "## Routing quality (issue 4)",
@@ -180,7 +178,7 @@ def section(meta: dict, rows: list[dict], notes: str = "") -> str:
         "from the workers' /metrics; drift = kvgate hit verification's share of predicted cached tokens that the engine "
         "did not reuse (last 64 requests); lag = how far simulated schedulers fell behind their clock (mean per "
         "forward step over all workers, and the worst single step).",
-        f"- Lag: {'runs that lagged beyond tolerance: ' + ', '.join(lagged) if lagged else 'no run lagged beyond tolerance (results are not CPU-bound)'}.",
+        f"- Lag: {'runs beyond tolerance: ' + '; '.join(lagged) if lagged else 'no run lagged beyond tolerance (results are not CPU-bound)'}.",
         "",
         format_table(rows, markdown=True),
         "",
