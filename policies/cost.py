@@ -3,10 +3,17 @@
 Thresholds like cache_aware's trade cache hits against load with magic numbers; this
 policy prices both in seconds instead:
 
-    ttft(w) = (queued prefill tokens on w + this request's uncached tokens) / prefill speed
+    ttft(w) = queued prefill work on w + prefill(this request's uncached tokens after its cached ones)
             + tokens loaded from host memory / host load speed
             + tokens loaded from the shared pool / pool load speed
             + running requests on w * decode_cost_s
+
+    prefill(n after c) = n / prefill speed * (1 + (c + n / 2) / attention_tokens)
+
+The second factor is attention: its FLOPs per token grow with the context while the
+matmuls' do not, and ``attention_tokens`` is the context at which they are equal (2 *
+params / (4 * layers * q_dim): ~30k for Llama-3-8B, ~54k for 70B). Without it a 100k-token
+prompt looks 2.5x cheaper than it is, and short requests queue behind it.
 
 Queued prefill work is booked when a request is routed (``on_routed``), moves to the
 decode count at its first token and is freed at completion, so a burst of requests sees
@@ -21,6 +28,12 @@ Defaults are an 8B BF16 model on one H100: ~25k prefill tokens/s, 128 KiB of KV 
 so ~190k tokens/s over 25 GB/s PCIe from host memory and ~40k tokens/s from a Mooncake pool
 at ~5 GB/s (host hit worth ~0.87 of a GPU hit, pool hit ~0.38); each running request adds
 ~0.2 ms. Only the ratios matter, so set them from the fleet's own numbers.
+
+The choice minimises ``ttft + work_weight * prefill(uncached)``: a miss is charged for the
+prefill it adds to the fleet (the wait of whoever queues behind it), not only for its own
+wait, so a warm worker keeps a conversation unless its queue really costs more. Greedy
+own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS.md,
+"Routing quality").
 
 ``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
 minimum, which spreads near-equal choices and keeps the index from tunnelling.
@@ -46,13 +59,16 @@ class Cost(Policy):
 
     def __init__(self, prefill_tokens_per_s: float = 25_000.0, host_load_tokens_per_s: float = 190_000.0,
                  pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
-                 temperature: float = 0.0, seed: int | None = None, index: str | PrefixIndex = "auto",
+                 attention_tokens: float = 32_768.0, work_weight: float = 1.0, temperature: float = 0.0,
+                 seed: int | None = None, index: str | PrefixIndex = "auto",
                  **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self.host_tps = float(host_load_tokens_per_s)
         self.pool_tps = float(pool_load_tokens_per_s)
         self.decode_cost_s = float(decode_cost_s)
+        self.inv_attention = 1.0 / float(attention_tokens) if float(attention_tokens) > 0 else 0.0
+        self.work_weight = float(work_weight)
         self.temperature = float(temperature)
         self._rng = random.Random(None if seed is None else int(seed))
         self.feed: KvEventFeed | None = None
@@ -68,20 +84,24 @@ class Cost(Policy):
         else:
             self.index = index
         self.verifier = make_verifier(self.name, options)
-        self._queued: dict[str, float] = {}  # booked prefill tokens per worker
+        self._queued: dict[str, float] = {}  # booked prefill work per worker, in linear-token equivalents
         self._decoding: dict[str, int] = {}
         self._avg_uncached = 0.0
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
         self._live: dict[str, list] = {}  # request id -> [url, tokens, in_prefill]
 
     # -- the model ----------------------------------------------------------------------
+    def prefill_tokens(self, uncached: float, cached: float) -> float:
+        """Prefill work of ``uncached`` tokens after ``cached`` ones, in tokens at the linear rate."""
+        return uncached * (1.0 + (cached + uncached / 2.0) * self.inv_attention)
+
     def predict(self, request: RequestView, workers: Sequence[WorkerView],
                 match: IndexMatch) -> list[tuple[float, float, float]]:
         """(ttft seconds, uncached tokens, cached tokens) per worker, in ``workers`` order."""
         prompt = float(request.prompt_tokens_estimate)
         inv_prefill, decode_cost, avg = 1.0 / self.prefill_tps, self.decode_cost_s, self._avg_uncached
         queued_of, decoding_of = self._queued, self._decoding
-        full = prompt * inv_prefill
+        full = self.prefill_tokens(prompt, 0.0) * inv_prefill
         out = []
         for w in workers:  # every worker: no hit, just its backlog
             queued = queued_of.get(w.url, 0.0)
@@ -101,10 +121,18 @@ class Cost(Policy):
                 gpu, host, pool = t.gpu * scale, t.host * scale, t.pool * scale
                 cached = min(gpu + host + pool, prompt)
                 uncached = prompt - cached
-                ttft = (out[i][0] - full + uncached * inv_prefill
+                ttft = (out[i][0] - full + self.prefill_tokens(uncached, cached) * inv_prefill
                         + host / self.host_tps + pool / self.pool_tps)
                 out[i] = (ttft, uncached, cached)
         return out
+
+    def _score(self, cost: tuple[float, float, float]) -> float:
+        """What the choice minimises: the TTFT, plus (``work_weight``) the prefill work a
+        miss adds to the fleet."""
+        ttft, uncached, cached = cost
+        if not self.work_weight:
+            return ttft
+        return ttft + self.work_weight * self.prefill_tokens(uncached, cached) / self.prefill_tps
 
     def costs(self, request: RequestView, workers: Sequence[WorkerView]) -> list[tuple[float, float, float]]:
         """``predict`` over what the index knows of these workers right now."""
@@ -118,19 +146,20 @@ class Cost(Policy):
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)
         costs = self.costs(request, workers)
+        scores = [self._score(c) for c in costs]
         if self.temperature > 0 and len(workers) > 1:
-            best = min(c[0] for c in costs)
-            weights = [math.exp(-(c[0] - best) / self.temperature) for c in costs]
+            best = min(scores)
+            weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]
             i = self._rng.choices(range(len(workers)), weights)[0]
         else:
-            i = min(range(len(workers)), key=lambda j: costs[j][0])  # first of equals
+            i = min(range(len(workers)), key=scores.__getitem__)  # first of equals
         return self.commit(request, workers[i], *costs[i])
 
     def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
                cached: float) -> Choice:
         """Book the choice: speculative index entries, expected hit, queued prefill work."""
         self.index.record(request, chosen)
-        self._picked[request.request_id] = (chosen.url, uncached)
+        self._picked[request.request_id] = (chosen.url, self.prefill_tokens(uncached, cached))
         if len(self._picked) > 100_000:
             self._picked.popitem(last=False)
         prompt = request.prompt_tokens_estimate
@@ -140,9 +169,10 @@ class Cost(Policy):
 
     # -- bookkeeping --------------------------------------------------------------------
     def on_routed(self, request: RequestView, worker: WorkerView) -> None:
-        url, tokens = self._picked.pop(request.request_id, (worker.url, float(request.prompt_tokens_estimate)))
+        full = self.prefill_tokens(float(request.prompt_tokens_estimate), 0.0)
+        url, tokens = self._picked.pop(request.request_id, (worker.url, full))
         if url != worker.url:  # the gateway sent it elsewhere (retry): book it there in full
-            tokens = float(request.prompt_tokens_estimate)
+            tokens = full
         self._queued[worker.url] = self._queued.get(worker.url, 0.0) + tokens
         self._live[request.request_id] = [worker.url, tokens, True]
         self._avg_uncached += 0.05 * (tokens - self._avg_uncached)

@@ -123,6 +123,18 @@ async def ready(request: web.Request) -> web.Response:
     return json_response({"status": "ready"} if engine.ready else {"status": "starting"}, 200 if engine.ready else 503)
 
 
+def scheduler_stats(engine: Engine) -> dict[str, float]:
+    """Simulated GPU busy time and how far the scheduler fell behind ``--time-scale``
+    (benchmarks check these to tell a loaded GPU from a starved CPU)."""
+    scheds = [r.scheduler for r in engine.ranks]
+    return {"forward_steps": sum(s.forward_steps for s in scheds), "busy_sim_s": sum(s.busy_sim for s in scheds),
+            "lag_max_s": max((s.lag_max_s for s in scheds), default=0.0),
+            "lag_sum_s": sum(s.lag_sum_s for s in scheds),
+            # > 0 means this process could not keep up with --time-scale (CPU-bound): lower
+            # the time scale for faithful latencies (bench.replay reads this name)
+            "max_lag_sim_s": max((s.lag_max_s for s in scheds), default=0.0)}
+
+
 def server_info(engine: Engine) -> dict[str, Any]:
     a, p = engine.args, engine.profile
     info: dict[str, Any] = {
@@ -157,12 +169,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "version": engine.version,
         "time_scale": a.time_scale,
         "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
-                      "host_pool_tokens": engine.host_tokens,
-                      "forward_steps": sum(r.scheduler.forward_steps for r in engine.ranks),
-                      "busy_sim_s": sum(r.scheduler.busy_sim for r in engine.ranks),
-                      # > 0 means this process could not keep up with --time-scale (CPU-bound):
-                      # lower the time scale for faithful latencies
-                      "max_lag_sim_s": max(r.scheduler.max_lag_sim for r in engine.ranks),
+                      "host_pool_tokens": engine.host_tokens, **scheduler_stats(engine),
                       "pool": engine.pool_stats()},
         "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],

@@ -115,8 +115,11 @@ class Scheduler:
         self._last_yield = time.monotonic()
         self.forward_steps = 0
         self.busy_sim = 0.0
-        self.lag_sim = 0.0  # how far simulated time is behind the wall clock right now
-        self.max_lag_sim = 0.0
+        # How far simulated time fell behind the clock (simulated seconds): a CPU-starved
+        # process cannot keep up with --time-scale, and every latency it reports grows.
+        self.lag_sim = 0.0  # right now
+        self.lag_max_s = 0.0
+        self.lag_sum_s = 0.0
         self._lag_warned = -1e9
         self._task: asyncio.Task | None = None
         self.pool = None  # pool_tier.PoolTier: requests visit the Mooncake pool before queueing
@@ -249,12 +252,14 @@ class Scheduler:
     async def _sleep_until(self, sim_t: float) -> None:
         delay = self.clock.wall_at(sim_t) - time.monotonic()
         if delay < 0:  # the process is slower than the simulated GPU: time stretches
-            self.lag_sim = -delay * self.clock.scale
-            self.max_lag_sim = max(self.max_lag_sim, self.lag_sim)
-            if self.lag_sim > 1.0 and time.monotonic() - self._lag_warned > 30:
+            self.lag_sim = lag = -delay * self.clock.scale
+            self.lag_sum_s += lag
+            if lag > self.lag_max_s:
+                self.lag_max_s = lag
+            if lag > 1.0 and time.monotonic() - self._lag_warned > 30:
                 self._lag_warned = time.monotonic()
                 log.warning("simulated time is %.1f s behind --time-scale %g (CPU-bound); latencies are "
-                            "inflated - lower the time scale", self.lag_sim, self.clock.scale)
+                            "inflated - lower the time scale", lag, self.clock.scale)
         else:
             self.lag_sim = 0.0
         if delay > 0.0005:

@@ -57,12 +57,16 @@ def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
     assert back.predicted_cached_tokens >= 990
 
 
-def test_a_burst_of_identical_prompts_spreads_by_booked_work():
-    policy = Cost()
+@pytest.mark.parametrize("weight, suffix", [(0.0, 1), (1.0, 500)])
+def test_a_burst_of_identical_prompts_spreads_by_booked_work(weight, suffix):
+    """Greedy TTFT spreads even near-identical prompts; with the default work weight a
+    shared prefix is worth some queue, so the burst spreads once each request brings its
+    own uncached tail (here ~500 tokens), as real ones do."""
+    policy = Cost(work_weight=weight)
     ws = workers(4)
     landed = Counter()
     for i in range(40):
-        req = text_req(f"r{i}", PROMPT + str(i))
+        req = text_req(f"r{i}", PROMPT + f"{i:04d}" * suffix)
         choice = policy.select(req, ws)
         policy.on_routed(req, choice.worker)
         landed[choice.worker.url] += 1
@@ -108,3 +112,37 @@ def test_precise_index_with_text_fallback_is_counted():
     assert choice.worker.url == ws[1].url and choice.predicted_cached_tokens == 64
     policy.select(text_req("q"), ws)
     assert policy.stats()["fallback_requests_total"] == 1
+
+
+def _book(policy: Cost, worker: WorkerView, rid: str, n_tokens: int, start: int) -> None:
+    req = RequestView(rid, "/generate", token_ids=list(range(start, start + n_tokens)))
+    policy.select(req, [worker])
+    policy.on_routed(req, worker)
+
+
+def test_long_prompts_are_priced_with_attention():
+    """One 100k-token prompt takes longer to prefill than three 40k ones (attention grows with
+    context): the linear model sends the next request behind the 100k prompt, the default
+    model does not."""
+    for attention, expect in ((0, 0), (32_768, 1)):
+        policy = Cost(attention_tokens=attention)
+        ws = workers(2)
+        _book(policy, ws[0], "long", 100_000, 0)
+        for i in range(3):
+            _book(policy, ws[1], f"mid{i}", 40_000, 1_000_000 * (i + 1))
+        assert policy.select(text_req("next"), ws).worker.url == ws[expect].url, attention
+
+
+def test_work_weight_keeps_a_conversation_on_its_warm_worker():
+    ws = workers(2)
+    prompt = "turn one " * 1000  # ~2250 tokens by the text estimate
+    for weight, stays in ((0.0, False), (1.0, True)):
+        policy = Cost(work_weight=weight, attention_tokens=0)
+        first = text_req("t1", prompt)
+        home = policy.select(first, ws).worker
+        policy.on_routed(first, home)
+        policy.on_first_token(first, home)
+        # a backlog on the warm worker a little larger than what its cache saves
+        _book(policy, home, "other", 2_600, 10_000_000)
+        again = policy.select(text_req("t2", prompt + " turn two"), ws)
+        assert (again.worker.url == home.url) is stays, weight

@@ -1,0 +1,325 @@
+"""Routing quality: the same Mooncake trace slice through kvgate's policies and sglang-router.
+
+Every run gets a fresh simulated cluster (no warm caches shared between runs), the same
+request set and the same arrival schedule. Latencies are in SIMULATED seconds. Arrivals
+are compressed ``--arrival-speedup`` times relative to simulated time so that the fleet
+is loaded enough for routing to matter (the raw trace keeps 8 H100s ~15% busy); the
+offered prefill load is printed as a fraction of the cluster's prefill capacity.
+
+    PYTHONPATH=$PWD python -m bench.routing_quality            # default, ~15 min
+    PYTHONPATH=$PWD python -m bench.routing_quality --quick    # a few minutes
+
+Writes bench/out/quality/ (summary.json, runs.csv, per-run requests CSV, plots) and, unless
+``--no-results``, the "Routing quality" section of bench/RESULTS.md plus its two PNGs
+under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from simulator.cluster import SimCluster
+from simulator.cost_model import CostModel
+from simulator.profiles import get_profile
+
+from .replay import ReplayResult, replay, summarize
+from .services import Service, http_get, start_kvgate, start_sglang_router
+from .trace import TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
+# ../shared from the main checkout; ../../shared from a worktree under wt/
+DEFAULT_TRACE = next((p / TRACE_NAME for p in (ROOT.parent, ROOT.parent.parent) if (p / TRACE_NAME).exists()),
+                     ROOT.parent / TRACE_NAME)
+KVGATE_POLICIES = ["round_robin", "power_of_two", "cache_aware", "kv_events", "cost"]
+ROUTER_POLICIES = ["cache_aware", "round_robin"]
+FULL_TRACE_ORACLE = 0.374  # bench.trace.oracle_hit_rate over all 12031 requests
+
+
+@dataclass
+class RunSpec:
+    router: str  # kvgate | sglang-router
+    policy: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        name = "kvgate" if self.router == "kvgate" else "sglang-router"
+        return f"{name}:{self.policy}" + (f"[{opts}]" if opts else "")
+
+
+def parse_spec(router: str, text: str) -> RunSpec:
+    """``cost`` or ``cost[index=precise,temperature=0.01]``."""
+    name, _, rest = text.partition("[")
+    opts = dict(kv.split("=", 1) for kv in rest.rstrip("]").split(",") if kv) if rest else {}
+    return RunSpec(router, name, opts)
+
+
+# ---- scraping -----------------------------------------------------------------------------------
+def prom_values(text: str, names: set[str]) -> dict[tuple[str, tuple], float]:
+    out: dict[tuple[str, tuple], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def worker_stats(url: str) -> dict:
+    """Per-worker totals from SGLang's /metrics and the simulator's scheduler stats."""
+    _, body = http_get(url + "/metrics")
+    vals = prom_values(body.decode(), {"sglang:num_requests_total", "sglang:prompt_tokens_total",
+                                       "sglang:cached_tokens_total", "sglang:generation_tokens_total"})
+    flat = {name.split(":")[1].removesuffix("_total"): v for (name, _), v in vals.items()}
+    _, info = http_get(url + "/server_info")
+    sim = (msgspec.json.decode(info) if info else {}).get("simulator", {})
+    return {"url": url, "requests": int(flat.get("num_requests", 0)), "prompt_tokens": int(flat.get("prompt_tokens", 0)),
+            "cached_tokens": int(flat.get("cached_tokens", 0)), "generation_tokens": int(flat.get("generation_tokens", 0)),
+            "busy_s": sim.get("busy_sim_s"), "lag_max_s": sim.get("lag_max_s"), "lag_sum_s": sim.get("lag_sum_s"),
+            "forward_steps": sim.get("forward_steps")}
+
+
+def kvgate_policy_stats(url: str) -> dict[str, float]:
+    _, body = http_get(url + "/metrics")
+    vals = prom_values(body.decode(), {"kvgate_policy_stat"})
+    return {dict(labels)["stat"]: v for (_, labels), v in vals.items()}
+
+
+# ---- load model -------------------------------------------------------------------------------
+def offered_load(records: list[TraceRecord], profile: str, workers: int, arrival_speedup: float,
+                 hit_rate: float) -> dict:
+    """Prefill GPU-seconds the slice asks for per simulated second, as a share of the fleet.
+
+    Priced by the simulator's own cost model one request at a time (no batching gains), with
+    no cache and with ``hit_rate`` of every prompt cached.
+    """
+    cm = CostModel(get_profile(profile))
+    span = (records[-1].timestamp - records[0].timestamp) / 1000.0 / arrival_speedup
+    floor = sorted(cm.prefill_time(r.input_length) for r in records)
+    cold = sum(floor)
+    warm = sum(cm.prefill_time(round(r.input_length * (1 - hit_rate)), round(r.input_length * hit_rate))
+               for r in records)
+    return {"span_s": span, "req_per_s": len(records) / span if span else 0.0,
+            "prefill_load_no_cache": cold / (span * workers) if span else 0.0,
+            "prefill_load_at_bounded_oracle": warm / (span * workers) if span else 0.0,
+            # TTFT with an idle GPU and no cache: what no router can beat (long prompts)
+            "ttft_floor_mean_s": cold / len(records), "ttft_floor_p50_s": floor[len(floor) // 2],
+            "ttft_floor_p99_s": floor[int(0.99 * (len(floor) - 1))]}
+
+
+# ---- one run --------------------------------------------------------------------------------------
+def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, out: Path) -> dict:
+    logs = out / "logs" / spec.label.replace(":", "_").replace("[", "_").replace("]", "").replace(",", "_")
+    logs.mkdir(parents=True, exist_ok=True)
+    engine_args = ["--profile", a.profile, "--time-scale", str(a.time_scale), *a.engine_arg]
+    t0 = time.monotonic()
+    with SimCluster(workers=a.workers, engine_args=engine_args, kv_events=True, log_dir=str(logs),
+                    startup_timeout=90) as cluster:
+        router: Service
+        if spec.router == "kvgate":
+            router = start_kvgate(cluster.urls, spec.policy, spec.options, logs / "router.log")
+        else:
+            router = start_sglang_router(cluster.urls, spec.policy, spec.options, logs / "router.log")
+        try:
+            def progress(done: int, total: int) -> None:
+                if done % max(1, total // 10) == 0 or done == total:
+                    print(f"\r  {spec.label}: {done}/{total}", end="", file=sys.stderr, flush=True)
+
+            res: ReplayResult = asyncio.run(replay(
+                records, router.url, api="generate", speedup=a.time_scale * a.arrival_speedup,
+                concurrency=4096, time_scale=a.time_scale, timeout=a.request_timeout, on_progress=progress))
+            print(file=sys.stderr)
+            workers = [worker_stats(u) for u in cluster.urls]
+            pstats = kvgate_policy_stats(router.url) if spec.router == "kvgate" else {}
+        finally:
+            router.stop()
+        dead = cluster.dead()
+    return {"spec": spec, "result": res, "workers": workers, "policy_stats": pstats, "dead": dead,
+            "run_wall_s": time.monotonic() - t0}
+
+
+def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> dict:
+    res: ReplayResult = run["result"]
+    s = summarize(res.rows, res.wall_s, res.time_scale)
+    ws = run["workers"]
+    n = len(ws)
+    reqs = [w["requests"] for w in ws]
+    prompt = [w["prompt_tokens"] for w in ws]
+    prefill = [w["prompt_tokens"] - w["cached_tokens"] for w in ws]
+
+    def imbalance(xs: list[int]) -> float:
+        mean = sum(xs) / len(xs) if xs else 0.0
+        return max(xs) / mean if mean else 0.0
+
+    ts = res.time_scale
+    send_delay = sorted(max(0.0, r.sent_s - r.scheduled_s) for r in res.rows)
+    lag_max = max((w["lag_max_s"] or 0.0) for w in ws) if ws else 0.0
+    steps = sum(w["forward_steps"] or 0 for w in ws)
+    lag_mean = sum(w["lag_sum_s"] or 0.0 for w in ws) / steps if steps else 0.0
+    busy = sum(w["busy_s"] or 0.0 for w in ws)
+    ttft_p50 = s["ttft_p50_s"] or 0.0
+    delay_p99 = send_delay[int(0.99 * (len(send_delay) - 1))] * ts if send_delay else 0.0
+    # A single late step (a GC pause, another process's burst) is noise next to TTFTs of
+    # a second; a scheduler that is behind on average, or one stall as long as half a
+    # median TTFT, or a client that could not send on time, changes what is measured.
+    lagged = (lag_mean > max(a.lag_tolerance_s / 5, 0.01 * ttft_p50) or lag_max > max(a.lag_tolerance_s, 0.5 * ttft_p50)
+              or delay_p99 > a.lag_tolerance_s)
+    # TTFT minus what this request's own prefill costs on an idle GPU with the cache it got:
+    # the time it spent queued behind others, which is what routing controls.
+    cm = CostModel(get_profile(a.profile))
+    waits = sorted(r.ttft_s * ts - cm.prefill_time(r.prompt_tokens - r.cached_tokens, r.cached_tokens)
+                   for r in res.rows if r.ok and r.ttft_s is not None)
+    p = run["policy_stats"]
+    out = {
+        "label": run["spec"].label, "router": run["spec"].router, "policy": run["spec"].policy,
+        "options": run["spec"].options, **s,
+        "oracle_hit_rate": oracle, "bounded_oracle_hit_rate": bounded,
+        "hit_vs_oracle": s["hit_rate"] / oracle if oracle else None,
+        "hit_vs_bounded": s["hit_rate"] / bounded if bounded else None,
+        "wait_mean_s": sum(waits) / len(waits) if waits else None,
+        "wait_p50_s": waits[len(waits) // 2] if waits else None,
+        "wait_p99_s": waits[int(0.99 * (len(waits) - 1))] if waits else None,
+        "worker_requests": reqs, "worker_prompt_tokens": prompt, "worker_prefill_tokens": prefill,
+        "req_imbalance": imbalance(reqs), "prompt_imbalance": imbalance(prompt), "prefill_imbalance": imbalance(prefill),
+        "engine_hit_rate": sum(w["cached_tokens"] for w in ws) / sum(prompt) if sum(prompt) else 0.0,
+        "gpu_utilization": busy / (n * s["duration_s"]) if n and s["duration_s"] else None,
+        "sim_lag_max_s": lag_max, "sim_lag_mean_s": lag_mean,
+        "send_delay_p99_s": delay_p99,
+        "send_delay_max_s": send_delay[-1] * ts if send_delay else 0.0,
+        "lagged": bool(lagged), "dead_workers": run["dead"], "run_wall_s": run["run_wall_s"],
+        "drift_window": p.get("hit_drift_ratio"), "drift_degradations": p.get("hit_degradations_total"),
+        "predicted_cached_tokens": p.get("hit_predicted_tokens_total"),
+        "verified_cached_tokens": p.get("hit_actual_tokens_total"),
+        "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()
+                      if k.startswith("decisions_")},
+    }
+    first_errors = [r.error for r in res.rows if not r.ok][:3]
+    if first_errors:
+        out["first_errors"] = first_errors
+    return out
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.routing_quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default 800, quick 200)")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--profile", default="llama3-8b-h100")
+    p.add_argument("--time-scale", type=float, default=None, help="simulated s per wall s (default 1)")
+    p.add_argument("--arrival-speedup", type=float, default=None,
+                   help="trace-time compression relative to SIMULATED time (default 3)")
+    p.add_argument("--kvgate", nargs="*", default=None, metavar="POLICY",
+                   help=f"kvgate policies, optionally with options: cost[index=precise] (default {KVGATE_POLICIES})")
+    p.add_argument("--sglang-router", nargs="*", default=None, metavar="POLICY",
+                   help=f"sglang-router policies (default {ROUTER_POLICIES})")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra simulator argument (repeatable)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--lag-tolerance-s", type=float, default=0.1, help="simulated seconds of lag that still count as sound")
+    p.add_argument("--quick", action="store_true", help="200 requests: a few minutes, for iteration")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quality"))
+    p.add_argument("--notes", default=str(ROOT / "bench" / "quality_notes.md"),
+                   help="markdown (analysis written by hand) appended to the RESULTS.md section when it exists")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: rewrite the RESULTS.md section from --out's summary.json (e.g. after editing --notes)")
+    p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md and bench/results/")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .quality_report import format_table, update_results, write_outputs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    if a.render:
+        saved = json.loads((Path(a.out) / "summary.json").read_text())
+        notes = Path(a.notes).read_text() if a.notes and Path(a.notes).exists() else ""
+        for p in update_results(ROOT / "bench", saved["meta"], saved["runs"], Path(a.out), notes):
+            print(f"updated {p.relative_to(ROOT)}")
+        return 0
+    a.limit = a.limit or (200 if a.quick else 800)
+    a.time_scale = a.time_scale or 1.0
+    a.arrival_speedup = a.arrival_speedup or 3.0
+    trace = Path(a.trace)
+    if not trace.exists():
+        print(f"routing_quality: trace {trace} not found; skipping (pass --trace PATH)", file=sys.stderr)
+        return 0
+    specs = [parse_spec("kvgate", t) for t in (KVGATE_POLICIES if a.kvgate is None else a.kvgate)]
+    specs += [parse_spec("sglang-router", t) for t in (ROUTER_POLICIES if a.sglang_router is None else a.sglang_router)]
+    host = machine()  # load average before this benchmark adds its own
+    records = load_trace(trace, a.limit)
+    prof = get_profile(a.profile)
+    capacity = a.workers * prof.max_total_num_tokens
+    for i, arg in enumerate(a.engine_arg):  # a --max-total-tokens override changes the capacity
+        if arg.startswith("--max-total-tokens"):
+            capacity = a.workers * int(arg.split("=", 1)[1] if "=" in arg else a.engine_arg[i + 1])
+    oracle = oracle_hit_rate(records)
+    bounded = bounded_oracle_hit_rate(records, capacity)
+    load = offered_load(records, a.profile, a.workers, a.arrival_speedup, bounded)
+    setup = {"trace": str(trace), "requests": len(records), "workers": a.workers, "profile": a.profile,
+             "time_scale": a.time_scale, "arrival_speedup": a.arrival_speedup,
+             "replay_speedup": a.time_scale * a.arrival_speedup, "capacity_tokens": capacity,
+             "oracle_hit_rate": oracle, "bounded_oracle_hit_rate": bounded,
+             "full_trace_oracle_hit_rate": FULL_TRACE_ORACLE, **load}
+    print(f"{len(records)} requests over {load['span_s']:.0f} simulated s ({load['req_per_s']:.1f} req/s), "
+          f"{a.workers} x {a.profile}, time-scale {a.time_scale:g}, arrivals x{a.arrival_speedup:g}; "
+          f"offered prefill load {load['prefill_load_no_cache']:.0%} of the fleet with no cache, "
+          f"{load['prefill_load_at_bounded_oracle']:.0%} at the bounded-oracle hit rate; "
+          f"oracle hit rate {oracle:.3f}, bounded ({capacity} tokens) {bounded:.3f}; TTFT floor (idle GPU, no cache) "
+          f"mean {load['ttft_floor_mean_s']:.3f}s p99 {load['ttft_floor_p99_s']:.3f}s", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, runs = [], []
+    for spec in specs:
+        run = run_one(spec, records, a, out)
+        row = analyse(run, oracle, bounded, a)
+        rows.append(row)
+        runs.append(run)
+        print(f"  {row['label']}: hit {row['hit_rate']:.3f}, TTFT mean {row['ttft_mean_s'] or 0:.3f}s "
+              f"p99 {row['ttft_p99_s'] or 0:.3f}s, lag max {row['sim_lag_max_s']:.3f}s, "
+              f"{row['errors']} errors, {row['run_wall_s']:.0f}s wall", flush=True)
+    command = "PYTHONPATH=$PWD python -m bench.routing_quality" + (" " + shlex.join(argv) if argv else "")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": host, "command": command, "setup": setup}
+    table = format_table(rows)
+    print(table)
+    paths = write_outputs(out, meta, rows, runs)
+    print("wrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths))
+    if not a.no_results:
+        notes = Path(a.notes).read_text() if a.notes and Path(a.notes).exists() else ""
+        for p in update_results(ROOT / "bench", meta, rows, out, notes):
+            print(f"updated {p.relative_to(ROOT)}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def machine() -> str:
+    import os
+
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()
+    return (f"{platform.node() or 'host'}: {os.cpu_count()} CPU ({cpu}), Python {platform.python_version()}, "
+            f"load average at start {load[0]:.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Routers under benchmark as real processes: kvgate's gateway and sglang-router.
+
+Benchmarks measure what a user would run, so each router is its own process on a free
+port, started from this checkout (``PYTHONPATH``), logging to a file, and stopped by its
+process group so nothing outlives a run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from simulator.cluster import _Worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return None, b""
+
+
+class Service(_Worker):
+    """One child process in its own session (the simulator's worker process handling);
+    ``stop`` ends its whole group."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, url: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        super().__init__("router", url, list(args), log_path, env)
+
+    def wait_ready(self, path: str = "/health", timeout: float = 60.0) -> "Service":
+        """Block until ``path`` answers 200; on failure (or Ctrl-C) stop the process and raise."""
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"{self.args[:4]} exited with {self.popen.returncode}:\n{self.tail()}")
+                if http_get(self.url + path, timeout=1.0)[0] == 200:
+                    return self
+                time.sleep(0.1)
+            raise TimeoutError(f"{self.url}{path} not ready after {timeout}s:\n{self.tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+
+def start_kvgate(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path,
+                 tokenizer: str | None = "byte") -> Service:
+    port = free_port()
+    args = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", policy, "--log-level", "warning", "--worker-urls", *worker_urls]
+    if tokenizer:
+        args += ["--tokenizer", tokenizer]
+    for k, v in options.items():
+        args += ["--policy-option", f"{k}={v}"]
+    return Service(args, log_path, f"http://127.0.0.1:{port}").wait_ready("/readiness")
+
+
+def start_sglang_router(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path) -> Service:
+    port = free_port()
+    args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn",
+            "--worker-urls", *worker_urls]
+    for k, v in options.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return Service(args, log_path, f"http://127.0.0.1:{port}").wait_ready("/health")
