@@ -10,6 +10,8 @@ import urllib.request
 import openai
 import pytest
 
+from tests.support import request_json
+
 from tests.sim_support import sim_worker
 
 
@@ -20,14 +22,7 @@ def worker():
 
 
 def post(url: str, body: dict, timeout: float = 30) -> tuple[int, object]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-            return r.status, json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        return e.code, json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+    return request_json("POST", url, body, timeout=timeout)
 
 
 def get(url: str) -> object:

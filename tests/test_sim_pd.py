@@ -12,6 +12,8 @@ import urllib.request
 
 import pytest
 
+from tests.support import request_json
+
 pytest.importorskip("mooncake.engine", reason="Mooncake transfer engine not importable")
 
 from simulator.cluster import SimCluster  # noqa: E402
@@ -26,13 +28,7 @@ def pd():
 
 
 def post(url: str, body: dict, timeout: float = 30) -> tuple[int, object]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-            return r.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return request_json("POST", url, body, timeout=timeout)
 
 
 def pd_request(pd: SimCluster, body: dict) -> tuple[tuple, tuple]:
