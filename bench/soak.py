@@ -4,7 +4,7 @@ Mixed traffic (plain and streamed chats, some clients hanging up mid-stream) run
 fixed time; every answer must be a 200 with a whole body or a well-formed 429/408 error.
 Afterwards, once the gateway is idle, its process must be back where it started: no
 upstream connection still in use, no stray asyncio task, no extra file descriptor, and a
-bounded resident set. The test suite runs this for about a minute
+bounded resident set. The test suite runs this for half a minute
 (tests/test_gateway_soak.py); by hand::
 
     python -m bench.soak --minutes 30
