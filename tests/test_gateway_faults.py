@@ -20,6 +20,16 @@ def chat(url: str, content: str = "hi", max_tokens: int = 4, **extra) -> tuple[i
                          "max_tokens": max_tokens, **extra})
 
 
+def wait_metric(gw_url: str, name: str, value: float, timeout: float = 10.0) -> bool:
+    """Poll the gateway's /metrics until ``name`` reads ``value`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric_value(get_text(gw_url + "/metrics"), name) == value:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def workers(gw_url: str) -> dict[str, dict]:
     _, data = request_json("GET", gw_url + "/workers")
     return {w["url"]: w for w in data["workers"]}
@@ -139,9 +149,11 @@ def test_admission_queue_full_is_429_and_queue_timeout_is_408(start_sim, start_g
     slow = {"model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 400}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         first = pool.submit(request_json, "POST", gw.url + "/v1/chat/completions", slow)
-        time.sleep(0.5)
+        # wait until the gateway has really admitted / queued each one: fixed sleeps let a
+        # loaded machine deliver the second request after the third, which swaps their answers
+        assert wait_metric(gw.url, "kvgate_worker_in_flight", 1), "first request never went upstream"
         queued = pool.submit(request_json, "POST", gw.url + "/v1/chat/completions", slow)
-        time.sleep(0.2)
+        assert wait_metric(gw.url, "kvgate_queue_depth", 1), "second request never queued"
         status, data = request_json("POST", gw.url + "/v1/chat/completions", slow)
         assert status == 429 and data["error"]["code"] == "queue_full"
         status, data = queued.result()
