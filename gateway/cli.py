@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_up.add_argument("--pd", action="store_true", help="prefill/decode disaggregation over Mooncake")
     p_up.add_argument("--prefill-workers", type=int, default=2)
     p_up.add_argument("--decode-workers", type=int, default=2)
-    p_up.add_argument("--kv-events", action="store_true", help="workers publish KV events (for --policy kv_events)")
+    p_up.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                      help="workers publish KV events and the gateway tokenizes like them, so cache-aware "
+                           "policies use the precise index (default on)")
     p_up.add_argument("--pool", action="store_true",
                       help="start a mooncake_master and give the workers a shared HiCache L3 pool (Mooncake Store)")
     p_up.set_defaults(func=cmd_up)

@@ -183,7 +183,8 @@ class WorkerRegistry:
             if was and worker.fail_streak >= self.cfg.health_failure_threshold:
                 worker.view.healthy = False
         if was != worker.view.healthy:
-            log.warning("worker %s is now %s", worker.url, "healthy" if worker.view.healthy else "unhealthy")
+            log.log(logging.INFO if worker.view.healthy else logging.WARNING, "worker %s is now %s", worker.url,
+                    "healthy" if worker.view.healthy else "unhealthy")
             self._emit("health", worker)
         return worker.view.healthy
 
