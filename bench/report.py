@@ -44,19 +44,28 @@ def plot(result: ReplayResult, out: Path) -> list[Path]:
     f = result.time_scale
     ok = sorted((r for r in result.rows if r.ok), key=lambda r: r.sent_s)
     written: list[Path] = []
+
+    def figure(name: str, xlabel: str, ylabel: str, draw, legend: bool = False) -> None:
+        """One PNG: ``draw(ax)`` plots, the axes, grid and file handling are shared."""
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if legend:
+            ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(out / name)
+
     ttft = sorted(r.ttft_s * f * 1000 for r in ok if r.ttft_s is not None)
     if ttft:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))])
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, simulated)" if f != 1 else "TTFT (ms)")
-        ax.set_ylabel("CDF")
-        ax.grid(True, alpha=0.3)
-        p = out / "ttft_cdf.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(p)
+        def cdf(ax) -> None:
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))])
+            ax.set_xscale("log")
+
+        figure("ttft_cdf.png", "TTFT (ms, simulated)" if f != 1 else "TTFT (ms)", "CDF", cdf)
     if ok:
         window = max(1, len(ok) // 50)
         xs, ys = [], []
@@ -65,44 +74,25 @@ def plot(result: ReplayResult, out: Path) -> list[Path]:
             prompt = sum(r.prompt_tokens for r in chunk)
             xs.append(chunk[-1].sent_s * f)
             ys.append(sum(r.cached_tokens for r in chunk) / prompt if prompt else 0.0)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(xs, ys, marker=".")
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel(f"hit rate (window of {window} requests)")
-        ax.grid(True, alpha=0.3)
-        p = out / "hit_rate.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(p)
+
+        def hits(ax) -> None:
+            ax.plot(xs, ys, marker=".")
+            ax.set_ylim(0, 1)
+
+        figure("hit_rate.png", "time (s)", f"hit rate (window of {window} requests)", hits)
     if result.loads:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for u in sorted({x.url for x in result.loads}):
-            pts = [x for x in result.loads if x.url == u]
-            ax.plot([x.t_s * f for x in pts], [x.running + x.waiting for x in pts], label=u)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("running + waiting requests")
-        ax.legend(fontsize=7)
-        ax.grid(True, alpha=0.3)
-        p = out / "worker_load.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(p)
+        def loads(ax) -> None:
+            for u in sorted({x.url for x in result.loads}):
+                pts = [x for x in result.loads if x.url == u]
+                ax.plot([x.t_s * f for x in pts], [x.running + x.waiting for x in pts], label=u)
+
+        figure("worker_load.png", "time (s)", "running + waiting requests", loads, legend=True)
     workers = sorted({r.worker for r in ok if r.worker})
     if workers:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for w in workers:
-            ts = [r.sent_s * f for r in ok if r.worker == w]
-            ax.plot(ts, range(1, len(ts) + 1), label=w)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("requests routed (cumulative)")
-        ax.legend(fontsize=7)
-        ax.grid(True, alpha=0.3)
-        p = out / "worker_requests.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(p)
+        def routed(ax) -> None:
+            for w in workers:
+                ts = [r.sent_s * f for r in ok if r.worker == w]
+                ax.plot(ts, range(1, len(ts) + 1), label=w)
+
+        figure("worker_requests.png", "time (s)", "requests routed (cumulative)", routed, legend=True)
     return written
