@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.sim_support import spawn_sim
 from tests.support import Proc, free_port
 
 MODEL = "sim-llama-8b"
 
 
-class Server(Proc):
-    url: str
-
-
 def _start_sim(procs: list, *args: str, name: str = "sim") -> Proc:
-    port = free_port()
-    proc = Proc.python("simulator", "serve", "--host", "127.0.0.1", "--port", str(port),
-                       "--model-name", MODEL, *args, name=name)
+    proc = spawn_sim("--model-name", MODEL, *args, name=name)
     procs.append(proc)
-    proc.url = f"http://127.0.0.1:{port}"
-    proc.wait_http(proc.url + "/health", timeout=30)
     return proc
 
 
