@@ -282,10 +282,10 @@ def plain(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
-def write_results(section: str, path: Path, name: str) -> None:
+def write_results(section: str, path: Path, name: str, script: str = "bench/overhead.py") -> None:
     """Replace this run's marked section (by ``--section``) and leave the rest of the file alone."""
     text = path.read_text() if path.exists() else "# kvgate benchmark results\n"
-    tag = "bench/overhead.py" + ("" if name == "main" else f":{name}")
+    tag = script + ("" if name == "main" else f":{name}")
     begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
     block = f"{begin}\n{section.strip()}\n{end}"
     if begin in text and end in text:

@@ -3,7 +3,8 @@
 Thresholds like cache_aware's trade cache hits against load with magic numbers; this
 policy prices both in seconds instead:
 
-    ttft(w) = queued prefill work on w + prefill(this request's uncached tokens after its cached ones)
+    ttft(w) = max(queued prefill work on w, wait for KV memory on w)
+            + prefill(this request's uncached tokens after its cached ones)
             + tokens loaded from host memory / host load speed
             + tokens loaded from the shared pool / pool load speed
             + running requests on w * decode_cost_s
@@ -14,6 +15,17 @@ The second factor is attention: its FLOPs per token grow with the context while 
 matmuls' do not, and ``attention_tokens`` is the context at which they are equal (2 *
 params / (4 * layers * q_dim): ~30k for Llama-3-8B, ~54k for 70B). Without it a 100k-token
 prompt looks 2.5x cheaper than it is, and short requests queue behind it.
+
+The KV wait: an engine admits a request only when its KV fits in the pool, and under a
+burst of long prompts the pool, not prefill compute, is what requests queue for (measured
+on the Mooncake trace: bench/RESULTS.md). Every routed request books ``prompt +
+max_tokens / 2`` tokens on its worker until it completes; when a new request does not fit
+(capacity from ``/v1/loads`` or ``server_info``), the wait is the time until enough booked
+requests are expected to finish, ``max_tokens`` after their first token at the worker's
+measured time per output token (``tpot_s`` until measured). ``memory=false`` turns it off.
+``engine_load``: the engines' own waiting counts (``/v1/loads``) stand in for traffic this
+gateway did not route; ``drain`` (default) discounts them by the work done since the poll,
+``max`` takes them as they are, ``off`` ignores them.
 
 Queued prefill work is booked when a request is routed (``on_routed``), moves to the
 decode count at its first token and is freed at completion, so a burst of requests sees
@@ -43,14 +55,31 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
 from policies.kv_feed import KvEventFeed
 from policies.tree_budget import TreeBudget
 from policies.prefix_index import IndexMatch, PrefixIndex
+
+# Share of ``max_new_tokens`` a request's KV is booked at: the engine reserves part of it at
+# admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
+_OUTPUT_SHARE = 0.5
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request between routing and completion, as this policy booked it."""
+
+    url: str
+    tokens: float  # prefill work still queued (linear-token equivalents); 0 after the first token
+    footprint: float  # KV tokens it holds on the engine
+    max_new: float
+    first_token_at: float | None = None
 
 
 class Cost(Policy):
@@ -60,8 +89,8 @@ class Cost(Policy):
     def __init__(self, prefill_tokens_per_s: float = 25_000.0, host_load_tokens_per_s: float = 190_000.0,
                  pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
                  attention_tokens: float = 32_768.0, work_weight: float = 1.0, temperature: float = 0.0,
-                 seed: int | None = None, index: str | PrefixIndex = "auto",
-                 **options) -> None:
+                 seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
+                 memory: bool = True, tpot_s: float = 0.03, kv_weight: float = 0.0, **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self.host_tps = float(host_load_tokens_per_s)
@@ -70,6 +99,13 @@ class Cost(Policy):
         self.inv_attention = 1.0 / float(attention_tokens) if float(attention_tokens) > 0 else 0.0
         self.work_weight = float(work_weight)
         self.temperature = float(temperature)
+        engine_load = "off" if engine_load is False else str(engine_load)  # YAML reads "off" as false
+        if engine_load not in ("drain", "max", "off"):
+            raise ValueError(f"cost: engine_load must be 'drain', 'max' or 'off', not {engine_load!r}")
+        self.engine_load = engine_load
+        self.memory = str(memory).lower() not in ("0", "false", "no", "off")
+        self.default_tpot_s = float(tpot_s)
+        self.kv_weight = float(kv_weight)
         self._rng = random.Random(None if seed is None else int(seed))
         self.feed: KvEventFeed | None = None
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
@@ -87,8 +123,12 @@ class Cost(Policy):
         self._queued: dict[str, float] = {}  # booked prefill work per worker, in linear-token equivalents
         self._decoding: dict[str, int] = {}
         self._avg_uncached = 0.0
+        self._avg_max_new = 256.0
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
-        self._live: dict[str, list] = {}  # request id -> [url, tokens, in_prefill]
+        self._live: dict[str, _Live] = {}
+        self._kv: dict[str, dict[str, _Live]] = {}  # worker -> its live requests (KV they hold)
+        self._kv_tokens: dict[str, float] = {}  # worker -> sum of their footprints
+        self._tpot: dict[str, float] = {}  # worker -> measured seconds per output token
 
     # -- the model ----------------------------------------------------------------------
     def prefill_tokens(self, uncached: float, cached: float) -> float:
@@ -102,15 +142,35 @@ class Cost(Policy):
         inv_prefill, decode_cost, avg = 1.0 / self.prefill_tps, self.decode_cost_s, self._avg_uncached
         queued_of, decoding_of = self._queued, self._decoding
         full = self.prefill_tokens(prompt, 0.0) * inv_prefill
+        mode, now, tps = self.engine_load, time.monotonic(), self.prefill_tps
+        output = _OUTPUT_SHARE * float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
+        memory, kv_tokens = self.memory, self._kv_tokens
+        waits: list[tuple[float, float, float, float]] = []  # (queue wait, decode, KV held, KV capacity)
         out = []
         for w in workers:  # every worker: no hit, just its backlog
-            queued = queued_of.get(w.url, 0.0)
-            running = decoding_of.get(w.url, 0)
+            url = w.url
+            queued = queued_of.get(url, 0.0)
+            running = decoding_of.get(url, 0)
             load = w.load
-            if load is not None:  # traffic this gateway did not route still occupies the engine
-                queued = max(queued, load.waiting * avg)
-                running = max(running, load.running)
-            out.append((queued * inv_prefill + running * decode_cost + full, prompt, 0.0))
+            held, capacity = kv_tokens.get(url, 0.0), 0.0
+            if load is not None:
+                if mode != "off":  # traffic this gateway did not route still occupies the engine
+                    backlog = load.waiting * avg
+                    if mode == "drain":  # the engine has been working through it since the poll
+                        backlog -= (now - load.timestamp) * tps
+                    queued = max(queued, backlog)
+                    running = max(running, load.running)
+                capacity = load.max_tokens
+                held = max(held, load.used_tokens)
+            if memory and not capacity:
+                capacity = w.server_info.get("max_total_num_tokens") or 0.0
+            wait = queued * inv_prefill
+            waits.append((wait, running * decode_cost, held, capacity))
+            if memory and capacity and held + prompt + output > capacity:
+                wait = max(wait, self.memory_wait(url, held + prompt + output - capacity, now, wait))
+            if self.kv_weight and capacity:
+                wait += self.kv_weight * (held + prompt + output) / capacity
+            out.append((wait + running * decode_cost + full, prompt, 0.0))
         if match.hits and not self.verifier.degraded:  # then credit the few that hold the prefix
             scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
             position = {w.url: i for i, w in enumerate(workers)}
@@ -121,10 +181,35 @@ class Cost(Policy):
                 gpu, host, pool = t.gpu * scale, t.host * scale, t.pool * scale
                 cached = min(gpu + host + pool, prompt)
                 uncached = prompt - cached
-                ttft = (out[i][0] - full + self.prefill_tokens(uncached, cached) * inv_prefill
+                wait, decode, held, capacity = waits[i]
+                if memory and capacity and held + uncached + output > capacity:
+                    wait = max(wait, self.memory_wait(url, held + uncached + output - capacity, now, wait))
+                if self.kv_weight and capacity:
+                    wait += self.kv_weight * (held + uncached + output) / capacity
+                ttft = (wait + decode + self.prefill_tokens(uncached, cached) * inv_prefill
                         + host / self.host_tps + pool / self.pool_tps)
                 out[i] = (ttft, uncached, cached)
         return out
+
+    def memory_wait(self, url: str, over: float, now: float, queue_wait: float) -> float:
+        """Seconds until ``over`` more KV tokens are free on the worker than it has now.
+
+        An engine admits a request only when its KV fits (SGLang's scheduler stops at the
+        first waiting request that does not, so everything behind it waits too); under a
+        burst the pool, not prefill compute, is what requests queue for. Each request booked
+        there is expected to free its KV ``max_new`` output tokens after its first token
+        (``queue_wait`` from now if it has none yet), at the worker's measured time per
+        output token.
+        """
+        tpot = self._tpot.get(url, self.default_tpot_s)
+        ends = sorted(((live.first_token_at if live.first_token_at is not None else now + queue_wait)
+                       + live.max_new * tpot, live.footprint) for live in self._kv.get(url, {}).values())
+        freed, end = 0.0, now
+        for end, footprint in ends:
+            freed += footprint
+            if freed >= over:
+                break
+        return max(end - now, 0.0)
 
     def _score(self, cost: tuple[float, float, float]) -> float:
         """What the choice minimises: the TTFT, plus (``work_weight``) the prefill work a
@@ -169,36 +254,48 @@ class Cost(Policy):
 
     # -- bookkeeping --------------------------------------------------------------------
     def on_routed(self, request: RequestView, worker: WorkerView) -> None:
-        full = self.prefill_tokens(float(request.prompt_tokens_estimate), 0.0)
+        prompt = float(request.prompt_tokens_estimate)
+        full = self.prefill_tokens(prompt, 0.0)
         url, tokens = self._picked.pop(request.request_id, (worker.url, full))
         if url != worker.url:  # the gateway sent it elsewhere (retry): book it there in full
             tokens = full
         self._queued[worker.url] = self._queued.get(worker.url, 0.0) + tokens
-        self._live[request.request_id] = [worker.url, tokens, True]
+        max_new = float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
+        self._avg_max_new += 0.05 * (max_new - self._avg_max_new)
+        live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * max_new, max_new)
+        self._live[request.request_id] = live
+        self._kv.setdefault(worker.url, {})[request.request_id] = live
+        self._kv_tokens[worker.url] = self._kv_tokens.get(worker.url, 0.0) + live.footprint
         self._avg_uncached += 0.05 * (tokens - self._avg_uncached)
 
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
-        entry = self._live.get(request.request_id)
-        if entry and entry[2]:
-            self._unqueue(entry)
-            self._decoding[entry[0]] = self._decoding.get(entry[0], 0) + 1
+        live = self._live.get(request.request_id)
+        if live and live.first_token_at is None:
+            self._unqueue(live)
+            live.first_token_at = time.monotonic()
+            self._decoding[live.url] = self._decoding.get(live.url, 0) + 1
 
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self._picked.pop(request.request_id, None)
-        entry = self._live.pop(request.request_id, None)
-        if entry:
-            if entry[2]:
-                self._unqueue(entry)
+        live = self._live.pop(request.request_id, None)
+        if live:
+            if live.first_token_at is None:
+                self._unqueue(live)
             else:
-                self._decoding[entry[0]] = max(self._decoding.get(entry[0], 0) - 1, 0)
+                self._decoding[live.url] = max(self._decoding.get(live.url, 0) - 1, 0)
+                if outcome.ok and outcome.completion_tokens and outcome.completion_tokens > 1:
+                    sample = (time.monotonic() - live.first_token_at) / (outcome.completion_tokens - 1)
+                    old = self._tpot.get(live.url, sample)
+                    self._tpot[live.url] = old + 0.1 * (sample - old)
+            self._kv.get(live.url, {}).pop(request.request_id, None)
+            self._kv_tokens[live.url] = max(self._kv_tokens.get(live.url, 0.0) - live.footprint, 0.0)
         self.verifier.complete(request.request_id, outcome)
         if self.budget is not None:
             self.budget.learn(request, outcome)
 
-    def _unqueue(self, entry: list) -> None:
-        url, tokens = entry[0], entry[1]
-        self._queued[url] = max(self._queued.get(url, 0.0) - tokens, 0.0)
-        entry[2] = False
+    def _unqueue(self, live: _Live) -> None:
+        self._queued[live.url] = max(self._queued.get(live.url, 0.0) - live.tokens, 0.0)
+        live.tokens = 0.0
 
     def on_worker_added(self, worker: WorkerView) -> None:
         if self.feed is not None:
@@ -210,6 +307,9 @@ class Cost(Policy):
         self.index.remove_worker(worker.url)
         self._queued.pop(worker.url, None)
         self._decoding.pop(worker.url, None)
+        self._kv.pop(worker.url, None)
+        self._kv_tokens.pop(worker.url, None)
+        self._tpot.pop(worker.url, None)
 
     async def start(self) -> None:
         if self.feed is not None:

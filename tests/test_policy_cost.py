@@ -146,3 +146,45 @@ def test_work_weight_keeps_a_conversation_on_its_warm_worker():
         _book(policy, home, "other", 2_600, 10_000_000)
         again = policy.select(text_req("t2", prompt + " turn two"), ws)
         assert (again.worker.url == home.url) is stays, weight
+
+
+def _decoding(policy: Cost, worker: WorkerView, rid: str, prompt: int, max_new: int) -> RequestView:
+    req = RequestView(rid, "/generate", token_ids=list(range(prompt)), max_tokens=max_new)
+    policy.on_routed(req, worker)
+    policy.on_first_token(req, worker)
+    return req
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_a_worker_whose_kv_pool_is_booked_full_makes_requests_wait(memory):
+    """A full KV pool blocks admission until running requests finish (SGLang stops at the
+    first waiting request that does not fit): that wait outweighs a short prefill queue."""
+    policy = Cost(memory=memory, prefill_tokens_per_s=10_000, decode_cost_s=0.0, tpot_s=0.05)
+    full = WorkerView("http://127.0.0.1:8100", server_info={"max_total_num_tokens": 100_000})
+    queued = WorkerView("http://127.0.0.1:8101", load=EngineLoad(max_tokens=100_000))
+    for i in range(4):  # ~92k tokens of KV held on `full`, each decoding 2000 more tokens (~100 s)
+        _decoding(policy, full, f"d{i}", 22_000, 2000)
+    backlog = RequestView("q", "/generate", token_ids=list(range(50_000, 60_000)), max_tokens=10)
+    policy.on_routed(backlog, queued)  # 1 s of prefill queued on `queued`
+    req = RequestView("new", "/generate", token_ids=list(range(100_000, 120_000)), max_tokens=100)
+    ttft = {w.url: c[0] for w, c in zip([full, queued], policy.costs(req, [full, queued]))}
+    choice = policy.select(req, [full, queued])
+    if memory:
+        assert ttft[full.url] > 90.0  # until the first decodes finish
+        assert choice.worker.url == queued.url
+    else:
+        assert ttft[full.url] < ttft[queued.url]
+        assert choice.worker.url == full.url
+
+
+def test_completions_free_booked_kv_and_teach_the_time_per_token():
+    policy = Cost(tpot_s=1.0)
+    w = WorkerView("http://127.0.0.1:8100", server_info={"max_total_num_tokens": 50_000})
+    reqs = [_decoding(policy, w, f"d{i}", 20_000, 100) for i in range(2)]
+    probe = RequestView("p", "/generate", token_ids=list(range(20_000)), max_tokens=100)
+    assert policy.costs(probe, [w])[0][0] > 50.0  # 2 x 20k booked + 20k does not fit in 50k
+    for req in reqs:
+        policy.on_complete(req, w, Outcome(ok=True, completion_tokens=100))
+    assert policy.costs(probe, [w])[0][0] < 5.0
+    assert policy._tpot[w.url] < 0.1  # measured: the completions came back at once, not 1 s/token
+    assert policy.select(probe, [w]).worker.url == w.url
