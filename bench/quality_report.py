@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -55,6 +56,29 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c[i].rjust(widths[i]) if i else c[i].ljust(widths[i]) for i in range(len(c)))
                      for c in cells)
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per router over its repetitions: the median of every number (one run per
+    router gives the rows back unchanged). Run-to-run noise on this benchmark is ~15%:
+    a target is judged on medians, never on one lucky run."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get("base_label", r["label"]), []).append(r)
+    if all(len(g) == 1 for g in groups.values()):
+        return rows
+    out = []
+    for label, group in groups.items():
+        row = dict(group[0], label=f"{label} (median of {len(group)})")
+        for key, value in group[0].items():
+            values = [g.get(key) for g in group]
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and all(
+                    isinstance(v, (int, float)) for v in values):
+                ints = all(isinstance(v, int) for v in values)
+                row[key] = (statistics.median_low if ints else statistics.median)(values)
+        row["lagged"] = any(g["lagged"] for g in group)
+        out.append(row)
+    return out
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -152,6 +176,7 @@ def _save(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:
 
 def section(meta: dict, rows: list[dict], notes: str = "") -> str:
     s = meta["setup"]
+    summary = medians(rows)
     lagged = [f"{r['label']} (scheduler lag mean {r['sim_lag_mean_s']:.4f} s, max {r['sim_lag_max_s']:.3f} s; "
               f"client send delay p99 {r['send_delay_p99_s']:.3f} s)" for r in rows if r["lagged"]]
     lines = [
@@ -181,10 +206,12 @@ def section(meta: dict, rows: list[dict], notes: str = "") -> str:
         f"- Lag: {'runs beyond tolerance: ' + '; '.join(lagged) if lagged else 'no run lagged beyond tolerance (results are not CPU-bound)'}.",
         "",
         format_table(rows, markdown=True),
+        *(["", f"Medians over {len(rows) // len(summary)} interleaved repetitions of every router:", "",
+            format_table(summary, markdown=True)] if summary is not rows else []),
         "",
-        "Targets (issue 4):",
+        "Targets (issue 4)" + (", on the medians:" if summary is not rows else ":"),
         "",
-        *targets(rows),
+        *targets(summary),
         "",
         f"![TTFT CDF](results/{PLOTS[0]})",
         f"![hit rate over time](results/{PLOTS[1]})",

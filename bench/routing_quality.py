@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[], help="extra simulator argument (repeatable)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--lag-tolerance-s", type=float, default=0.1, help="simulated seconds of lag that still count as sound")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every router N times, interleaved; targets are judged on the medians")
     p.add_argument("--quick", action="store_true", help="200 requests: a few minutes, for iteration")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quality"))
     p.add_argument("--notes", default=str(ROOT / "bench" / "quality_notes.md"),
@@ -240,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .quality_report import format_table, update_results, write_outputs
+    from .quality_report import format_table, medians, targets, update_results, write_outputs
 
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
@@ -283,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, runs = [], []
-    for spec in specs:
+    for rep, spec in ((rep, spec) for rep in range(a.repeat) for spec in specs):
         run = run_one(spec, records, a, out)
         row = analyse(run, oracle, bounded, a)
+        row["base_label"] = row["label"]
+        if a.repeat > 1:  # interleaved: a slow drift in machine load hits every router alike
+            row["label"] += f" #{rep + 1}"
         rows.append(row)
         runs.append(run)
         print(f"  {row['label']}: hit {row['hit_rate']:.3f}, TTFT mean {row['ttft_mean_s'] or 0:.3f}s "
@@ -296,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             "machine": host, "command": command, "setup": setup}
     table = format_table(rows)
     print(table)
+    summary = medians(rows)
+    if summary is not rows:
+        print("\nmedians:\n" + format_table(summary))
+    print("\n".join(targets(summary)))
     paths = write_outputs(out, meta, rows, runs)
     print("wrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths))
     if not a.no_results:
