@@ -90,7 +90,7 @@ class Cost(Policy):
                  pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
                  attention_tokens: float = 32_768.0, work_weight: float = 1.0, temperature: float = 0.0,
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
-                 memory: bool = True, tpot_s: float = 0.03, kv_weight: float = 0.0, **options) -> None:
+                 memory: bool = True, tpot_s: float = 0.03, **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self.host_tps = float(host_load_tokens_per_s)
@@ -105,7 +105,6 @@ class Cost(Policy):
         self.engine_load = engine_load
         self.memory = str(memory).lower() not in ("0", "false", "no", "off")
         self.default_tpot_s = float(tpot_s)
-        self.kv_weight = float(kv_weight)
         self._rng = random.Random(None if seed is None else int(seed))
         self.feed: KvEventFeed | None = None
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
@@ -168,8 +167,6 @@ class Cost(Policy):
             waits.append((wait, running * decode_cost, held, capacity))
             if memory and capacity and held + prompt + output > capacity:
                 wait = max(wait, self.memory_wait(url, held + prompt + output - capacity, now, wait))
-            if self.kv_weight and capacity:
-                wait += self.kv_weight * (held + prompt + output) / capacity
             out.append((wait + running * decode_cost + full, prompt, 0.0))
         if match.hits and not self.verifier.degraded:  # then credit the few that hold the prefix
             scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
@@ -184,8 +181,6 @@ class Cost(Policy):
                 wait, decode, held, capacity = waits[i]
                 if memory and capacity and held + uncached + output > capacity:
                     wait = max(wait, self.memory_wait(url, held + uncached + output - capacity, now, wait))
-                if self.kv_weight and capacity:
-                    wait += self.kv_weight * (held + uncached + output) / capacity
                 ttft = (wait + decode + self.prefill_tokens(uncached, cached) * inv_prefill
                         + host / self.host_tps + pool / self.pool_tps)
                 out[i] = (ttft, uncached, cached)
