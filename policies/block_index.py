@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
-from itertools import accumulate, repeat, takewhile
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import accumulate, chain as chained, compress, count, islice, repeat, takewhile
 from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
@@ -99,6 +99,7 @@ class BlockIndex:
         self._spec: dict[int, int] = {}
         self._spec_until: dict[int, dict[int, float]] = {}  # slot -> page key -> expiry
         self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
+        self._spec_starts: dict[int, int] = {}  # first key of each queued record -> how many
         self._prompts: OrderedDict[tuple, list] = OrderedDict()  # -> [tokens, keys, SHA chain]
         self._hash_cache = hash_cache
         self.chains = PageHashCache()
@@ -382,21 +383,14 @@ class BlockIndex:
         return result
 
     @staticmethod
-    def _prefix_pages(masks: list[int], wanted: int) -> dict[int, int]:
-        """Bit index -> number of leading pages whose mask has that bit (bits of ``wanted``)."""
-        if not masks or not masks[0] & wanted:
+    def _prefix_pages(masks: Iterable[int], wanted: int) -> dict[int, int]:
+        """Bit index -> number of leading pages whose mask has that bit (bits of ``wanted``).
+        The running AND stops at the first page no candidate holds, so lookups past it
+        (a prompt's new pages, a miss) are never made."""
+        acc = list(takewhile(bool, accumulate(masks, and_, initial=wanted)))[1:]
+        if not acc:
             return {}
-        masks[0] &= wanted
-        acc = list(accumulate(masks, and_))
         n = len(acc)
-        if not acc[-1]:  # bit sets only shrink, so the values fall: bisect for the first 0
-            lo, n = 0, n - 1
-            while lo < n:
-                mid = (lo + n) // 2
-                if acc[mid]:
-                    lo = mid + 1
-                else:
-                    n = mid
         pages: dict[int, int] = dict.fromkeys(_bit_indexes(acc[n - 1]), n)
         stack = [(0, n - 1)]
         while stack:  # bisect for the few positions where the running AND loses bits
@@ -415,13 +409,17 @@ class BlockIndex:
     def _walk(self, keys: list[int], hashes: list[int] | None, wanted: int, ps: int,
               hits: dict[str, Tiers]) -> None:
         get = self.blocks.get
-        masks = list(map(get, keys, repeat(0)))
+        masks = map(get, keys, repeat(0))
         if hashes is not None:  # some blocks are known by hash only: look those up too
-            masks = list(map(or_, masks, map(get, hashes, repeat(0))))
+            masks = map(or_, masks, map(get, hashes, repeat(0)))
         if self._spec:  # speculative pages count as GPU; OR them in, all in C
-            spec = list(map(self._spec.get, keys, repeat(0)))
-            if any(spec):
-                masks = list(map(or_, masks, spec))
+            # They come in runs recorded from some prompt's page on, and a key names its whole
+            # prefix, so a run that reaches this chain starts on it: no page before the first
+            # run start found here (in a small dict) needs a look in the large one.
+            first = next(compress(count(), map(self._spec_starts.__contains__, keys)), None)
+            if first is not None:
+                spec = map(self._spec.get, islice(keys, first, None), repeat(0))
+                masks = map(or_, masks, chained(repeat(0, first), spec))
         pages = self._prefix_pages(masks, wanted)
         urls = self._urls
         for b, a in pages.items():
@@ -461,10 +459,10 @@ class BlockIndex:
         until = time.monotonic() + self.speculative_ttl_s
         bits = 7 << (3 * s)
         spec = self._spec
-        for k in keys:
-            spec[k] = spec.get(k, 0) | bits
+        spec.update(zip(keys, map(or_, map(spec.get, keys, repeat(0)), repeat(bits))))  # in C
         self._spec_until.setdefault(s, {}).update(zip(keys, repeat(until)))
         self._spec_queue.append((until, s, keys))
+        self._spec_starts[keys[0]] = self._spec_starts.get(keys[0], 0) + 1
 
     def expire(self, now: float | None = None, limit: int | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -472,6 +470,9 @@ class BlockIndex:
         while q and q[0][0] <= now and limit != 0:
             limit = None if limit is None else limit - 1
             until, s, keys = q.popleft()
+            left = self._spec_starts.pop(keys[0], 1) - 1
+            if left:
+                self._spec_starts[keys[0]] = left
             clear = ~(7 << (3 * s))
             spec_until = self._spec_until.get(s, {})
             for k in keys:

@@ -211,3 +211,49 @@ def test_page_keys_chain_like_the_sha_chain(first, rest, page_size, salt):
     other = page_keys(first + rest, page_size, seed("x" if salt is None else None))
     assert not set(keys) & set(other)  # another salt never shares a page
     assert seed("") == seed(None)
+
+
+def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tuple]:
+    """Every page's reported and speculative bits, read one by one (no shortcut)."""
+    keys = page_keys(tokens, PS, seed(None))
+    masks = [index.blocks.get(k, 0) | index._spec.get(k, 0) for k in keys]
+    out = {}
+    for url in URLS:
+        s = index._slots.get(url)
+        if s is None:
+            continue
+        lens = []
+        for t in range(3):
+            n = 0
+            while n < len(masks) and masks[n] >> (3 * s + t) & 1:
+                n += 1
+            lens.append(n)
+        if lens[2]:
+            out[url] = (lens[0] * PS, (lens[1] - lens[0]) * PS, (lens[2] - lens[1]) * PS)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["record", "record", "store", "expire", "clear"]),
+                          st.integers(0, 3), seqs, st.integers(0, 3)), max_size=25),
+       st.lists(seqs, min_size=1, max_size=4))
+def test_speculative_runs_are_found_from_their_first_page(operations, queries):
+    """The walk skips spec lookups before the first recorded run start on the prompt's chain;
+    matches must equal a page-by-page read of every page's bits."""
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=60)
+    for i, (op, w, tokens, n) in enumerate(operations):
+        if op == "record":
+            request = req(tokens, rid=f"r{i}")
+            index.match(request, WORKERS)  # as a policy does: the match decides what is new
+            index.record(request, WORKERS[w])
+        elif op == "store":
+            index.apply(URLS[w], BlockStored(page_hashes(tokens, PS), None, tokens, PS))
+        elif op == "expire":
+            index.expire(now=10**12, limit=n)  # the n oldest records
+        else:
+            index.clear_worker(URLS[w])
+    for tokens in queries:
+        got = {u: tuple(t) for u, t in index.match(req(tokens, rid="q"), WORKERS).hits.items()}
+        assert got == _walked_page_by_page(index, tokens)
+    index.expire(now=10**12)
+    assert not index._spec and not index._spec_starts
