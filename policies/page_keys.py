@@ -5,11 +5,12 @@ a microsecond per page in Python: computing it for every prompt at routing time 
 than the rest of the decision. But ``BlockStored`` events carry each block's tokens and
 parent, so the index can name blocks by a chain of its own that is ~5x cheaper to compute:
 
-    key(page i) = hash((key(page i-1), hash(tuple(tokens of page i))))
+    key(page i) = hash((key(page i-1), tuple(tokens of page i)))
 
 seeded per ``cache_salt`` (``seed``), so salted chains never meet unsalted ones. The page
-tuples come out of ``zip`` over one iterator and are hashed by ``map`` in C; only the chain
-step is Python. Two different prefixes share a key only by a 64-bit hash collision, which
+tuples come out of ``zip`` over one iterator (in C, reusing one tuple where it can) and
+each chain step is one ``hash`` of a pair in a comprehension: ~12 ns per token here, about
+a fifth of the SHA chain. Two different prefixes share a key only by a 64-bit hash collision, which
 can mis-predict a cache hit and nothing worse.
 
 The seed goes through ``hash`` of a ``bytes`` marker, which Python randomises per process
@@ -35,10 +36,6 @@ def seed(cache_salt: str | None) -> int:
 def page_keys(token_ids: Sequence[int], page_size: int, start: int) -> list[int]:
     """Keys of every *full* page of ``token_ids``, chained from ``start`` (a ``seed`` or the
     key of the page before ``token_ids[0]``)."""
-    key, out = start, []
-    append = out.append
-    pages = iter(token_ids)
-    for page in map(hash, zip(*repeat(pages, page_size))):  # a trailing partial page is dropped
-        key = hash((key, page))
-        append(key)
-    return out
+    key = start
+    pages = iter(token_ids)  # zip over page_size copies of one iterator: a partial page is dropped
+    return [key := hash((key, page)) for page in zip(*repeat(pages, page_size))]
