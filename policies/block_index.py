@@ -24,9 +24,15 @@ worker holds the block on GPU (bit ``3*slot``), on GPU or host (``3*slot+1``), i
 including the shared pool (``3*slot+2``). The prompt's keys are looked up with
 ``map(dict.get)`` and AND-accumulated (``itertools.accumulate``), both in C: bit
 ``3*slot+t`` of the running AND is set exactly while every page so far is in tier <= t on
-that worker. The few positions where the running AND changes (found by bisection) give
-every worker's prefix length per tier. Each worker's own raw tier bits per block hash live
-in its slot's dict (used for updates).
+that worker; it stops at the first page no candidate holds, so a prompt's new pages cost
+no lookup. The few positions where the running AND changes (found by bisection) give every
+worker's prefix length per tier. Each worker's own raw tier bits per block hash live in its
+slot's dict (used for updates).
+
+Every page up to there is still looked up (~0.2 us each in a 1M-entry dict, memory
+latency): bisecting on the raw masks would be exact only if no worker ever held a block
+without its parent, and lost events, out-of-order tier changes and expiring speculative
+entries all make such holes. Proving their absence needs per-block child counts; not done.
 
 Parent links (by block hash) are kept for each stored block so a worker's chains can be
 read back (``chain``) and blocks whose parent the worker never reported are counted
@@ -41,7 +47,7 @@ not share one pool (``shared_pool=False``).
 Speculative entries cover the time between routing a request and the engine's
 ``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
 known to hold as on its GPU for ``speculative_ttl_s`` seconds, by the page keys the walk
-already computed; the walk ORs them in.
+already computed; the walk ORs them in, from the first page where a recorded run starts.
 """
 
 from __future__ import annotations
