@@ -15,10 +15,12 @@ from policies.base import RequestView, WorkerView
 from policies.block_index import BlockIndex
 from policies.page_hash_cache import PageHashCache
 from policies.page_keys import page_keys, seed
+from tests.test_prefix_index_blocks import PS as BLOCKS_PS
+from tests.test_prefix_index_blocks import naive as naive_held
 from wire.hashing import page_hashes
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-PS = 2
+PS = BLOCKS_PS  # the models share the page size
 URLS = [f"http://127.0.0.1:{9100 + i}" for i in range(4)]
 WORKERS = [WorkerView(u, server_info={"page_size": PS}) for u in URLS]
 MEDIUMS = ["GPU", "CPU_PINNED", "EXTERNAL"]
@@ -30,24 +32,17 @@ def req(tokens, salt=None, rid="r"):
 
 
 def naive(held: dict[str, set[tuple[int, int]]], pool: set[int], chain: list[int]) -> dict[str, tuple]:
-    """Per worker: longest prefix on GPU / on GPU or host / anywhere, its own pages or the
-    shared pool's leading pages (whichever reaches further), by SHA hash. ``held`` lists
-    the workers the index knows (those that reported anything)."""
+    """The block index tests' per-worker model (by SHA hash), plus the shared pool: a worker
+    the index knows (``held`` lists those that reported anything) reaches as far as the
+    pool's leading pages when its own pages stop short."""
     pooled = 0
     while pooled < len(chain) and chain[pooled] in pool:
         pooled += 1
-    out = {}
-    for url, blocks in held.items():
-        lens = []
-        for tiers in ({0}, {0, 1}, {0, 1, 2}):
-            n = 0
-            while n < len(chain) and any((chain[n], t) in blocks for t in tiers):
-                n += 1
-            lens.append(n)
-        if lens[2] < pooled:
-            lens[2] = pooled
-        if lens[2]:
-            out[url] = (lens[0] * PS, (lens[1] - lens[0]) * PS, (lens[2] - lens[1]) * PS)
+    out = naive_held(held, chain)
+    for url in held:
+        gpu, host, anywhere = out.get(url, (0, 0, 0))
+        if pooled * PS > gpu + host + anywhere:
+            out[url] = (gpu, host, pooled * PS - gpu - host)
     return out
 
 
@@ -95,7 +90,8 @@ def test_page_keyed_index_matches_like_sha_chains(operations, queries, shared_po
             index.apply(url, AllBlocksCleared())
             if url in held:
                 held[url] = set()
-    for tokens, salt in queries:
+    stored = [(tokens + [0], salt) for _, _, tokens, _, salt, _, _ in operations]  # what was reported
+    for tokens, salt in queries + stored:
         got = {u: tuple(t) for u, t in index.match(req(tokens, salt), WORKERS).hits.items()}
         assert got == naive(held, pool, page_hashes(tokens, PS, salt))
     owned = {h for blocks in held.values() for h, _ in blocks}
