@@ -100,6 +100,8 @@ class BlockIndex:
         self._slots: dict[str, int] = {}
         self._urls: list[str | None] = []
         self._owned: list[dict[int, int]] = []  # per slot: block hash -> raw tier bits
+        self._keep: list[int] = []  # per slot: the mask that clears its bits
+        self._cumulative: list[list[int]] = []  # per slot: _CUMULATIVE shifted into place
         self._free: list[int] = []
         self._page_size: dict[str, int] = {}
         self._spec: dict[int, int] = {}
@@ -127,6 +129,8 @@ class BlockIndex:
                 s = len(self._urls)
                 self._urls.append(url)
                 self._owned.append({})
+                self._keep.append(~(7 << 3 * s))
+                self._cumulative.append([c << 3 * s for c in _CUMULATIVE])
             self._slots[url] = s
             self._version += 1
         return s
@@ -201,6 +205,25 @@ class BlockIndex:
                page_size: int, cache_salt: str | None) -> list[int]:
         """Keys for the blocks of one ``BlockStored``, remembering those derived from tokens."""
         key_of = self._key
+        if len(hashes) == 1:  # SGLang sends one page per event: keep that path short
+            h = hashes[0]
+            k = key_of.get(h)
+            if k is not None:
+                return [k]
+            if token_ids and len(token_ids) >= page_size:
+                if parent is None:
+                    start = self._chain_start(h, list(token_ids[:page_size]), cache_salt)
+                else:
+                    start = key_of.get(parent)
+                if start is not None:
+                    page = tuple(token_ids if len(token_ids) == page_size else token_ids[:page_size])
+                    k = hash((start, page))  # page_keys' step, inlined
+                    if self._by_hash:
+                        self._rekey(hashes, [k])
+                    key_of[h] = k
+                    return [k]
+            self._by_hash.add(h)
+            return [h]
         if token_ids and hashes and len(token_ids) >= len(hashes) * page_size:
             if parent is None:
                 start = self._chain_start(hashes[0], list(token_ids[:page_size]), cache_salt)
@@ -268,20 +291,21 @@ class BlockIndex:
             self.set_page_size(url, block_size)
         keys = self._learn(hashes, parent, token_ids,
                            block_size or self._page_size.get(url, self.default_page_size), cache_salt)
+        s = self._slots.get(url)
+        if s is None:
+            s = self.slot(url)
         if tier == 2 and self.shared_pool:
-            self.slot(url)
             self.pool.update(keys)
             return
-        s = self.slot(url)
-        shift = 3 * s
-        keep = ~(7 << shift)
+        keep, cumulative = self._keep[s], self._cumulative[s]
         blocks, parents, owned = self.blocks, self.parent, self._owned[s]
         if parent is not None and parent not in owned:
             self.orphans += 1
+        bit = 1 << tier
         for h, k in zip(hashes, keys):
-            raw = owned.get(h, 0) | (1 << tier)
+            raw = owned.get(h, 0) | bit
             owned[h] = raw
-            blocks[k] = (blocks.get(k, 0) & keep) | (_CUMULATIVE[raw] << shift)
+            blocks[k] = (blocks.get(k, 0) & keep) | cumulative[raw]
             parents[h] = parent
             parent = h
 
