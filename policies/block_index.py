@@ -55,7 +55,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import accumulate, chain as chained, compress, count, islice, repeat, takewhile
+from itertools import accumulate, chain as chained, compress, count, filterfalse, islice, repeat, takewhile
 from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
@@ -113,7 +113,7 @@ class BlockIndex:
         self.chains = PageHashCache()
         self._last_match: tuple[str, dict[str, Tiers]] | None = None
         self._version = 0  # bumps when slots or page sizes change
-        self._groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int, list[str]]]]] = {}
+        self._groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int, list[str], frozenset[str]]]]] = {}
         self.orphans = 0
         self.events_applied = 0
         self.clears = 0
@@ -379,8 +379,9 @@ class BlockIndex:
             got[2] = self.chains.hashes(got[0], page_size, request.cache_salt)
         return got[2]
 
-    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str]]]:
-        """(page size, mask of the candidates' bits, their urls) groups, cached per worker set."""
+    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str], frozenset[str]]]:
+        """(page size, mask of the candidates' bits, their urls as a list and a set) groups,
+        cached per worker set."""
         key = tuple(map(_url, workers))
         got = self._groups.get(key)
         if got is not None and got[0] == self._version:
@@ -394,7 +395,7 @@ class BlockIndex:
                 groups[ps] = (mask | (7 << (3 * s)), urls + [w.url])
         if len(self._groups) > 256:
             self._groups.clear()
-        self._groups[key] = (self._version, [(ps, m, u) for ps, (m, u) in groups.items()])
+        self._groups[key] = (self._version, [(ps, m, u, frozenset(u)) for ps, (m, u) in groups.items()])
         return self._groups[key][1]
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
@@ -403,12 +404,12 @@ class BlockIndex:
             return result
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
-        for ps, wanted, urls in self._candidates(workers):
+        for ps, wanted, urls, members in self._candidates(workers):
             keys = self.keys_for(request, ps)
             hashes = self.hashes_for(request, ps) if self._by_hash else None
             self._walk(keys, hashes, wanted, ps, result.hits)
             if self.pool:
-                self._extend_through_pool(keys, hashes, ps, urls, result.hits)
+                self._extend_through_pool(keys, hashes, ps, urls, members, result.hits)
         self._last_match = (request.request_id, result.hits)
         return result
 
@@ -458,21 +459,19 @@ class BlockIndex:
                 hits[urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
 
     def _extend_through_pool(self, keys: list[int], hashes: list[int] | None, ps: int,
-                             urls: list[str], hits: dict[str, Tiers]) -> None:
+                             urls: list[str], members: frozenset[str], hits: dict[str, Tiers]) -> None:
         """Any worker can load the shared pool's leading pages past what it holds itself."""
         pooled_ = self.pool.__contains__
         held = map(pooled_, keys) if hashes is None else map(or_, map(pooled_, keys), map(pooled_, hashes))
         pooled = len(list(takewhile(bool, held))) * ps
         if not pooled:
             return
-        only = Tiers(0, 0, pooled)  # one shared tuple for every worker holding none of it
-        get = hits.get
-        for url in urls:
-            t = get(url)
-            if t is None:
-                hits[url] = only
-            elif pooled > t.total:
+        for url, t in list(hits.items()):  # the few workers holding some of it themselves
+            if pooled > t.total and url in members:
                 hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
+        # Every other candidate, in C and sharing one tuple: with a pooled prompt that is
+        # the whole fleet.
+        hits.update(zip(filterfalse(hits.__contains__, urls), repeat(Tiers(0, 0, pooled))))
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         if request.token_ids is None or self.speculative_ttl_s <= 0:
