@@ -196,9 +196,12 @@ class BlockIndex:
     def _chain_start(self, block_hash: int, first_page: list[int], cache_salt: str | None) -> int | None:
         """The key before a chain's first block: the seed of whichever salt the engine hashed
         the page with (checked against its hash), or None when neither fits."""
-        for salt in ((cache_salt, None) if cache_salt else (None,)):
-            if page_hashes(first_page, len(first_page), salt)[0] == block_hash:
-                return seed(salt)
+        try:
+            for salt in ((cache_salt, None) if cache_salt else (None,)):
+                if page_hashes(first_page, len(first_page), salt)[0] == block_hash:
+                    return seed(salt)
+        except (OverflowError, TypeError):  # ids SGLang could not have hashed: keep it by hash
+            pass
         return None
 
     def _learn(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,

@@ -253,3 +253,9 @@ def test_speculative_runs_are_found_from_their_first_page(operations, queries):
         assert got == _walked_page_by_page(index, tokens)
     index.expire(now=10**12)
     assert not index._spec and not index._spec_starts
+
+
+def test_a_chain_start_with_ids_no_engine_hashes_stays_keyed_by_hash():
+    index = BlockIndex(default_page_size=PS)
+    index.apply(URLS[0], BlockStored([42], None, [2**40, -1], PS))  # must not raise
+    assert index.stats()["index_hash_keyed_blocks"] == 1
