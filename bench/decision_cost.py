@@ -4,9 +4,11 @@ Builds a fleet of ``--workers`` workers whose caches hold ``--blocks`` distinct 
 (multi-turn conversations of random tokens, each conversation cached on 1-3 workers in
 mixed tiers), then times ``Policy.select`` on follow-up turns: the precise index (KV
 events), the approximate radix tree on the same keys, and the cost policy on each. The
-page-hash chain of a prompt is computed once per request (as the gateway does): it is
-reported both included ("select") and excluded ("index walk"), since hashing grows with
-prompt length and not with fleet size.
+precise index learns each block's page key from the events' token ids (as the KV-event feed
+does) and matches prompts by page keys; a prompt's keys are computed once per request (as
+the gateway does) and reported both included ("select") and excluded ("index walk"), since
+they grow with prompt length and not with fleet size. SHA-256 page hashing, which the index
+needs only for blocks reported without token ids, is timed alone and as that fallback.
 
     PYTHONPATH=$PWD python bench/decision_cost.py [--workers 64 --blocks 1000000]
 """
@@ -30,6 +32,7 @@ from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
 from policies.kv_events import KvEvents  # noqa: E402
+from policies.page_keys import page_keys, seed  # noqa: E402
 from policies.radix_index import RadixIndex  # noqa: E402
 from wire.hashing import page_hashes  # noqa: E402
 
@@ -100,8 +103,11 @@ def main() -> None:
     ps = args.page_size
     rng = random.Random(args.seed)
     n_conv = max(1, args.blocks // args.conv_pages)
+    # Every worker names a KV-event publisher (never subscribed to: the feed is not started),
+    # so kv_events matches on the precise index instead of falling back to the text tree.
+    info = {"page_size": ps, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
     workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
-                          server_info={"page_size": ps}) for i in range(args.workers)]
+                          server_info=info) for i in range(args.workers)]
     owners = {c: rng.sample(range(args.workers), rng.choice((1, 1, 2, 3))) for c in range(n_conv)}
 
     # -- precise index: 1M distinct blocks ---------------------------------------------
@@ -112,9 +118,11 @@ def main() -> None:
     for w in workers:
         precise.set_page_size(w.url, ps)
     for c in range(n_conv):
-        hashes = page_hashes(conversation(c, args.conv_pages, ps), ps)
-        for o in owners[c]:
-            precise.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)))
+        tokens = conversation(c, args.conv_pages, ps)
+        hashes = page_hashes(tokens, ps)
+        for o in owners[c]:  # as BlockStored delivers them: hashes, block size and token ids
+            precise.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)),
+                          ps, tokens)
     build_precise = time.perf_counter() - t0
     gc.collect()
     mem_precise = rss_mib() - base
@@ -172,19 +180,24 @@ def main() -> None:
     results = []
     reqs = [nxt for _, nxt in turns("w")]
     precise._hash_cache = len(reqs) + 1
-    for r in reqs:  # hashes computed and cached once, as select does before the walk
-        precise.hashes_for(r, ps)
-    results.append(row("precise index walk (BlockIndex.match, page hashes cached)", timed(precise.match, reqs, workers)))
+    for r in reqs:  # page keys computed and cached once, as select does before the walk
+        precise.keys_for(r, ps)
+    results.append(row("precise index walk (BlockIndex.match, page keys cached)", timed(precise.match, reqs, workers)))
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
     precise._hash_cache = 64
-    results.append(row("kv_events select, next turn (page hashing resumed from previous turn)",
-                       timed_turns(kv.select, "k")))
+    results.append(row("kv_events select, next turn", timed_turns(kv.select, "k")))
     results.append(row("cost select, precise index, next turn", timed_turns(cost_precise.select, "c")))
-    results.append(row("kv_events select, first sight of a prompt (full page hashing)",
-                       timed_turns(kv.select, "f", warm=False)))
+    results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))
     results.append(row("cost select, approx index (match + insert)", timed_turns(cost_approx.select, "d")))
+    # One block reported without token ids is enough to turn on the SHA fallback for every walk.
+    precise.store(workers[0].url, [12345], None, 0, ps)
+    results.append(row("kv_events select, next turn, SHA fallback on (a block known by hash only)",
+                       timed_turns(kv.select, "s")))
+    precise.remove(workers[0].url, [12345])
     hash_reqs = [nxt for _, nxt in turns("h")]
+    results.append(row("page keys alone, full prompt (policies.page_keys)",
+                       timed(lambda r, _w: page_keys(r.token_ids, ps, seed(None)), hash_reqs, workers)))
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
     avg_tokens = statistics.mean(len(r.token_ids) for r in hash_reqs)
@@ -195,11 +208,12 @@ def main() -> None:
     print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
     print(f"gc: {'default (index scanned by full collections)' if args.no_gc_freeze else 'gc.freeze() after setup'}; "
           f"load average at end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}")
-    print(f"fleet: {args.workers} workers, {len(precise.blocks):,} distinct blocks (page {ps}), "
+    print(f"fleet: {args.workers} workers, {len(precise.blocks) + len(precise.pool - precise.blocks.keys()):,} "
+          f"distinct blocks (page {ps}; {len(precise.pool):,} in the shared pool), "
           f"{n_conv} conversations x {args.turns} turns, prompts avg {avg_tokens:.0f} tokens")
     print(f"precise index: {mem_precise:.0f} MiB RSS, built in {build_precise:.1f} s; "
           f"radix index: {mem_radix:.0f} MiB RSS, {radix.nodes:,} nodes, {radix.units:,} tenant-tokens, "
-          f"built in {build_radix:.1f} s; page-hash cache reused {reused:.0%} of pages")
+          f"built in {build_radix:.1f} s; SHA fallback: page-hash cache reused {reused:.0%} of pages")
     print()
     print("| path | decisions | CPU median us | CPU p99 us | wall median us | wall p99 us |")
     print("|---|---|---|---|---|---|")

@@ -173,7 +173,7 @@ class KvEventFeed:
     # -- one publisher ------------------------------------------------------------------
     def _apply(self, url: str, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload, tokens=False)  # the index needs hashes, not token ids
+            batch = decode_batch(payload)  # with token ids: the index keys blocks by them
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.counters["decode_errors"] += 1
             log.warning("undecodable KV event batch from %s: %s", url, e)

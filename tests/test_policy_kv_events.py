@@ -165,6 +165,7 @@ def test_all_blocks_cleared_removed_and_tiers():
         try:
             await engine.send(stored(A), stored(A + B, "CPU_PINNED"))
             await until(lambda: hit(policy, worker, A + B) == 16)
+            assert policy.stats()["index_hash_keyed_blocks"] == 0  # the feed decoded the token ids
             tiers = policy.index.precise.match(req(A + B + [0]), [worker]).get(worker.url)
             assert (tiers.gpu, tiers.host) == (8, 8)
             await engine.send(BlockRemoved(page_hashes(A, PS), "GPU"))
@@ -215,6 +216,7 @@ def test_routing_follows_events_and_falls_back_without_token_ids(caplog):
             long_prompt = [5] * 64
             await engine.send(stored(long_prompt))
             await until(lambda: hit(policy, worker, long_prompt) == 64)
+            assert policy.stats()["index_hash_keyed_blocks"] == 0  # keyed by tokens, not SHA
             choice = policy.select(req(long_prompt + [1, 2, 3], "p1"), [other, worker])
             assert choice.worker.url == worker.url and choice.predicted_cached_tokens == 64
             assert choice.reason == "prefix"

@@ -62,7 +62,8 @@ def test_match_equals_naive_chains(operations, queries):
         got = {u: tuple(t) for u, t in index.match(req(tokens), WORKERS).hits.items()}
         assert got == naive(held, page_hashes(tokens, PS))
     owned = {h for blocks in held.values() for h, _ in blocks}
-    assert set(index.blocks) == owned
+    assert set(index.blocks) == {index.key_of(h) for h in owned}
+    assert not index.stats()["index_hash_keyed_blocks"]  # every store carried its tokens
 
 
 def test_sglang_test_vector_and_salt():

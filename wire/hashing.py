@@ -27,8 +27,13 @@ def digest_to_int64(digest: bytes) -> int:
 
 
 def uint32_le(token_ids: Sequence[int]) -> bytes:
-    """Tokens packed as SGLang hashes them (uint32 little-endian), in one C conversion."""
-    buf = array("I", token_ids)
+    """Tokens packed as SGLang hashes them (uint32 little-endian), in one C conversion
+    (``fromlist`` takes a list ~1.6x faster than the constructor's iterator path)."""
+    if isinstance(token_ids, list):
+        buf = array("I")
+        buf.fromlist(token_ids)
+    else:
+        buf = array("I", token_ids)
     if sys.byteorder != "little":
         buf.byteswap()
     return buf.tobytes()

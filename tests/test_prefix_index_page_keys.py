@@ -1,0 +1,261 @@
+"""The precise index keyed by page keys learned from events, against SGLang's SHA chains.
+
+Events may or may not carry token ids, chains arrive split over several events, salts
+separate chains: whatever the mix, matches must be those of an index keyed by SHA hashes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import policies.block_index as block_index
+from policies.base import RequestView, WorkerView
+from policies.block_index import BlockIndex
+from policies.page_hash_cache import PageHashCache
+from policies.page_keys import page_keys, seed
+from tests.test_prefix_index_blocks import PS as BLOCKS_PS
+from tests.test_prefix_index_blocks import naive as naive_held
+from wire.hashing import page_hashes
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+PS = BLOCKS_PS  # the models share the page size
+URLS = [f"http://127.0.0.1:{9100 + i}" for i in range(4)]
+WORKERS = [WorkerView(u, server_info={"page_size": PS}) for u in URLS]
+MEDIUMS = ["GPU", "CPU_PINNED", "EXTERNAL"]
+SALTS = [None, "tenant"]
+
+
+def req(tokens, salt=None, rid="r"):
+    return RequestView(rid, "/generate", token_ids=list(tokens), cache_salt=salt)
+
+
+def naive(held: dict[str, set[tuple[int, int]]], pool: set[int], chain: list[int]) -> dict[str, tuple]:
+    """The block index tests' per-worker model (by SHA hash), plus the shared pool: a worker
+    the index knows (``held`` lists those that reported anything) reaches as far as the
+    pool's leading pages when its own pages stop short."""
+    pooled = 0
+    while pooled < len(chain) and chain[pooled] in pool:
+        pooled += 1
+    out = naive_held(held, chain)
+    for url in held:
+        gpu, host, anywhere = out.get(url, (0, 0, 0))
+        if pooled * PS > gpu + host + anywhere:
+            out[url] = (gpu, host, pooled * PS - gpu - host)
+    return out
+
+
+seqs = st.lists(st.integers(0, 2), min_size=0, max_size=10)
+ops = st.lists(
+    st.tuples(st.sampled_from(["store", "store", "remove", "clear"]), st.sampled_from(URLS), seqs,
+              st.integers(0, 2), st.sampled_from(SALTS), st.booleans(), st.integers(0, 5)),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.lists(st.tuples(seqs, st.sampled_from(SALTS)), min_size=1, max_size=5), st.booleans())
+def test_page_keyed_index_matches_like_sha_chains(operations, queries, shared_pool):
+    """Stores arrive as two events (the second continues from the first's last block), with
+    or without token ids; salted and unsalted chains mix; removals hit any suffix."""
+    index = BlockIndex(speculative_ttl_s=0, shared_pool=shared_pool)
+    held: dict[str, set[tuple[int, int]]] = {}
+    pool: set[int] = set()
+    for op, url, tokens, tier, salt, with_tokens, cut in operations:
+        hashes = page_hashes(tokens, PS, salt)
+        pooled = tier == 2 and shared_pool
+        if op == "store" and hashes:
+            held.setdefault(url, set())
+            cut = min(cut, len(hashes))
+            for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
+                part_hashes = hashes[part]
+                if not part_hashes:
+                    continue
+                part_tokens = tokens[part.start * PS: part.start * PS + len(part_hashes) * PS] if with_tokens else []
+                index.apply(url, BlockStored(part_hashes, parent, part_tokens, PS, None, MEDIUMS[tier],
+                                             cache_salt=salt))
+            if pooled:
+                pool |= set(hashes)
+            else:
+                held[url] |= {(h, tier) for h in hashes}
+        elif op == "remove":
+            gone = hashes[cut % (len(hashes) + 1):]
+            index.apply(url, BlockRemoved(gone, MEDIUMS[tier]))
+            if pooled:
+                pool -= set(gone)
+            elif url in held:
+                held[url] -= {(h, tier) for h in gone}
+        else:
+            index.apply(url, AllBlocksCleared())
+            if url in held:
+                held[url] = set()
+    stored = [(tokens + [0], salt) for _, _, tokens, _, salt, _, _ in operations]  # what was reported
+    for tokens, salt in queries + stored:
+        got = {u: tuple(t) for u, t in index.match(req(tokens, salt), WORKERS).hits.items()}
+        assert got == naive(held, pool, page_hashes(tokens, PS, salt))
+    owned = {h for blocks in held.values() for h, _ in blocks}
+    assert set(index.blocks) == {index.key_of(h) for h in owned}
+    assert index.pool == {index.key_of(h) for h in pool}
+
+
+def test_salts_separate_chains_whatever_the_engine_hashed_with():
+    tokens = list(range(8))
+    index = BlockIndex(default_page_size=PS)
+    # Engine 0 hashes with the salt and says so; engine 1 hashes without it although the
+    # request had one (its hashes then match unsalted prompts only, like the SHA chain).
+    index.apply(URLS[0], BlockStored(page_hashes(tokens, PS, "a"), None, tokens, PS, cache_salt="a"))
+    index.apply(URLS[1], BlockStored(page_hashes(tokens, PS), None, tokens, PS, cache_salt="a"))
+    assert set(index.match(req(tokens, "a"), WORKERS).hits) == {URLS[0]}
+    assert set(index.match(req(tokens), WORKERS).hits) == {URLS[1]}
+    assert not index.match(req(tokens, "b"), WORKERS).hits
+    # Engine 2 hashes with a salt it does not report: no key can be derived, the block stays
+    # keyed by hash and still matches the salted prompt through the SHA chain.
+    index.apply(URLS[2], BlockStored(page_hashes(tokens, PS, "c"), None, tokens, PS))
+    assert index.stats()["index_hash_keyed_blocks"] == 4
+    assert set(index.match(req(tokens, "c"), WORKERS).hits) == {URLS[2]}
+    assert set(index.match(req(tokens, "a"), WORKERS).hits) == {URLS[0]}
+
+
+def test_no_sha_at_decision_time_when_events_carry_tokens(monkeypatch):
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    tokens = list(range(40))
+    index.apply(URLS[0], BlockStored(page_hashes(tokens, PS), None, tokens, PS))
+    follow_up = tokens + [7] * 6
+
+    def no_sha(*_a, **_k):
+        raise AssertionError("SHA-256 computed at decision time")
+
+    monkeypatch.setattr(block_index, "page_hashes", no_sha)
+    monkeypatch.setattr(PageHashCache, "hashes", no_sha)
+    request = req(follow_up, rid="f")
+    assert index.match(request, WORKERS).hits[URLS[0]].gpu == 40
+    index.record(request, WORKERS[1])
+    assert index.match(req(follow_up, rid="g"), WORKERS).hits[URLS[1]].gpu == 46
+
+
+def test_blocks_reported_by_hash_first_move_to_their_keys():
+    tokens = list(range(12))
+    hashes = page_hashes(tokens, PS)
+    index = BlockIndex(default_page_size=PS)
+    index.apply(URLS[0], BlockStored(hashes, None, [], PS, medium="CPU_PINNED"))  # no tokens
+    index.apply(URLS[1], BlockStored(hashes[:3], None, [], PS, medium="EXTERNAL"))
+    assert index.stats()["index_hash_keyed_blocks"] == 6
+    assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 12, 0)
+    index.apply(URLS[2], BlockStored(hashes, None, tokens, PS))  # the same blocks, with tokens
+    assert index.stats()["index_hash_keyed_blocks"] == 0
+    hits = index.match(req(tokens), WORKERS).hits
+    assert tuple(hits[URLS[0]]) == (0, 12, 0) and tuple(hits[URLS[2]]) == (12, 0, 0)
+    assert tuple(hits[URLS[1]]) == (0, 0, 6)  # the shared pool it announced
+    index.apply(URLS[0], BlockRemoved(hashes, "CPU_PINNED"))  # removals name hashes only
+    index.apply(URLS[1], BlockRemoved(hashes[:3], "EXTERNAL"))
+    assert set(index.match(req(tokens), WORKERS).hits) == {URLS[2]}
+    index.clear_worker(URLS[2])
+    assert not index.blocks and not index.pool and not index._key and not index.parent
+
+
+def test_a_child_of_an_unknown_parent_is_keyed_by_hash_until_it_goes():
+    tokens = list(range(8))
+    hashes = page_hashes(tokens, PS)
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    index.apply(URLS[0], BlockStored(hashes[2:], hashes[1], tokens[4:], PS))  # joined late
+    assert index.stats()["index_hash_keyed_blocks"] == 2 and index.orphans == 1
+    request = req(tokens, rid="x")
+    assert not index.match(request, WORKERS).hits
+    index.record(request, WORKERS[0])  # routed there: its first pages become speculative
+    assert index.match(req(tokens, rid="y"), WORKERS).hits[URLS[0]].gpu == 8
+    index.apply(URLS[0], BlockRemoved(hashes[2:]))
+    assert index.stats()["index_hash_keyed_blocks"] == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops)
+def test_key_collisions_only_mispredict(monkeypatch_ops):
+    """With keys forced to collide (4 possible values), updates and walks must not fail."""
+    real = block_index.page_keys
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(block_index, "page_keys", lambda t, ps, s: [k % 4 for k in real(t, ps, s)])
+        index = BlockIndex(speculative_ttl_s=30)
+        for op, url, tokens, tier, salt, with_tokens, cut in monkeypatch_ops:
+            hashes = page_hashes(tokens, PS, salt)
+            if op == "store":
+                index.apply(url, BlockStored(hashes, None, tokens if with_tokens else [], PS, None,
+                                             MEDIUMS[tier], cache_salt=salt))
+            elif op == "remove":
+                index.apply(url, BlockRemoved(hashes[cut % (len(hashes) + 1):], MEDIUMS[tier]))
+            else:
+                index.apply(url, AllBlocksCleared())
+            request = req(tokens, salt, rid=f"{op}{cut}")
+            index.match(request, WORKERS)
+            index.record(request, WORKERS[cut % len(WORKERS)])
+        index.expire(now=10**12)
+        for url in URLS:
+            index.remove_worker(url)
+        assert not index.blocks and not index._spec
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.lists(st.integers(0, 2**32 - 1), max_size=12),
+       st.sampled_from([1, 2, 4]), st.sampled_from(SALTS))
+def test_page_keys_chain_like_the_sha_chain(first, rest, page_size, salt):
+    first = first[: len(first) - len(first) % page_size]
+    keys = page_keys(first + rest, page_size, seed(salt))
+    assert len(keys) == len(page_hashes(first + rest, page_size, salt))  # full pages only
+    head = page_keys(first, page_size, seed(salt))
+    assert keys[: len(head)] == head
+    assert keys[len(head):] == page_keys(rest, page_size, head[-1] if head else seed(salt))
+    other = page_keys(first + rest, page_size, seed("x" if salt is None else None))
+    assert not set(keys) & set(other)  # another salt never shares a page
+    assert seed("") == seed(None)
+
+
+def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tuple]:
+    """Every page's reported and speculative bits, read one by one (no shortcut)."""
+    keys = page_keys(tokens, PS, seed(None))
+    masks = [index.blocks.get(k, 0) | index._spec.get(k, 0) for k in keys]
+    out = {}
+    for url in URLS:
+        s = index._slots.get(url)
+        if s is None:
+            continue
+        lens = []
+        for t in range(3):
+            n = 0
+            while n < len(masks) and masks[n] >> (3 * s + t) & 1:
+                n += 1
+            lens.append(n)
+        if lens[2]:
+            out[url] = (lens[0] * PS, (lens[1] - lens[0]) * PS, (lens[2] - lens[1]) * PS)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["record", "record", "store", "expire", "clear"]),
+                          st.integers(0, 3), seqs, st.integers(0, 3)), max_size=25),
+       st.lists(seqs, min_size=1, max_size=4))
+def test_speculative_runs_are_found_from_their_first_page(operations, queries):
+    """The walk skips spec lookups before the first recorded run start on the prompt's chain;
+    matches must equal a page-by-page read of every page's bits."""
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=60)
+    for i, (op, w, tokens, n) in enumerate(operations):
+        if op == "record":
+            request = req(tokens, rid=f"r{i}")
+            index.match(request, WORKERS)  # as a policy does: the match decides what is new
+            index.record(request, WORKERS[w])
+        elif op == "store":
+            index.apply(URLS[w], BlockStored(page_hashes(tokens, PS), None, tokens, PS))
+        elif op == "expire":
+            index.expire(now=10**12, limit=n)  # the n oldest records
+        else:
+            index.clear_worker(URLS[w])
+    for tokens in queries:
+        got = {u: tuple(t) for u, t in index.match(req(tokens, rid="q"), WORKERS).hits.items()}
+        assert got == _walked_page_by_page(index, tokens)
+    index.expire(now=10**12)
+    assert not index._spec and not index._spec_starts
+
+
+def test_a_chain_start_with_ids_no_engine_hashes_stays_keyed_by_hash():
+    index = BlockIndex(default_page_size=PS)
+    index.apply(URLS[0], BlockStored([42], None, [2**40, -1], PS))  # must not raise
+    assert index.stats()["index_hash_keyed_blocks"] == 1
