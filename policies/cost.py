@@ -143,15 +143,16 @@ class Cost(Policy):
         full = self.prefill_tokens(prompt, 0.0) * inv_prefill
         mode, now, tps = self.engine_load, time.monotonic(), self.prefill_tps
         output = _OUTPUT_SHARE * float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
-        memory, kv_tokens = self.memory, self._kv_tokens
+        memory, need = self.memory, prompt + output
+        queued_get, decoding_get, kv_get = queued_of.get, decoding_of.get, self._kv_tokens.get
         waits: list[tuple[float, float, float, float]] = []  # (queue wait, decode, KV held, KV capacity)
         out = []
         for w in workers:  # every worker: no hit, just its backlog
             url = w.url
-            queued = queued_of.get(url, 0.0)
-            running = decoding_of.get(url, 0)
+            queued = queued_get(url, 0.0)
+            running = decoding_get(url, 0)
+            held, capacity = kv_get(url, 0.0), 0
             load = w.load
-            held, capacity = kv_tokens.get(url, 0.0), 0.0
             if load is not None:
                 if mode != "off":  # traffic this gateway did not route still occupies the engine
                     backlog = load.waiting * avg
@@ -161,13 +162,16 @@ class Cost(Policy):
                     running = max(running, load.running)
                 capacity = load.max_tokens
                 held = max(held, load.used_tokens)
-            if memory and not capacity:
-                capacity = w.server_info.get("max_total_num_tokens") or 0.0
-            wait = queued * inv_prefill
-            waits.append((wait, running * decode_cost, held, capacity))
-            if memory and capacity and held + prompt + output > capacity:
-                wait = max(wait, self.memory_wait(url, held + prompt + output - capacity, now, wait))
-            out.append((wait + running * decode_cost + full, prompt, 0.0))
+            wait, decode = queued * inv_prefill, running * decode_cost
+            if held and memory:  # nothing held: nothing to wait for
+                if not capacity:
+                    capacity = w.server_info.get("max_total_num_tokens") or 0
+                waits.append((wait, decode, held, capacity))
+                if capacity and held + need > capacity:
+                    wait = max(wait, self.memory_wait(url, held + need - capacity, now, wait))
+            else:
+                waits.append((wait, decode, held, 0))
+            out.append((wait + decode + full, prompt, 0.0))
         if match.hits and not self.verifier.degraded:  # then credit the few that hold the prefix
             scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
             position = {w.url: i for i, w in enumerate(workers)}
@@ -209,10 +213,16 @@ class Cost(Policy):
     def _score(self, cost: tuple[float, float, float]) -> float:
         """What the choice minimises: the TTFT, plus (``work_weight``) the prefill work a
         miss adds to the fleet."""
-        ttft, uncached, cached = cost
+        return self.scores([cost])[0]
+
+    def scores(self, costs: Sequence[tuple[float, float, float]]) -> list[float]:
+        """``_score`` over every worker in one comprehension (a method call per worker cost
+        as much as the whole prediction with 64 workers)."""
         if not self.work_weight:
-            return ttft
-        return ttft + self.work_weight * self.prefill_tokens(uncached, cached) / self.prefill_tps
+            return [ttft for ttft, _, _ in costs]
+        k, inv_attention = self.work_weight / self.prefill_tps, self.inv_attention
+        return [ttft + k * uncached * (1.0 + (cached + uncached / 2.0) * inv_attention)
+                for ttft, uncached, cached in costs]
 
     def costs(self, request: RequestView, workers: Sequence[WorkerView]) -> list[tuple[float, float, float]]:
         """``predict`` over what the index knows of these workers right now."""
@@ -226,13 +236,13 @@ class Cost(Policy):
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)
         costs = self.costs(request, workers)
-        scores = [self._score(c) for c in costs]
+        scores = self.scores(costs)
         if self.temperature > 0 and len(workers) > 1:
             best = min(scores)
             weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]
             i = self._rng.choices(range(len(workers)), weights)[0]
         else:
-            i = min(range(len(workers)), key=scores.__getitem__)  # first of equals
+            i = scores.index(min(scores))  # first of equals
         return self.commit(request, workers[i], *costs[i])
 
     def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
