@@ -331,6 +331,7 @@ class Cost(Policy):
             out.update(self.budget.stats())
         out["queued_prefill_tokens"] = sum(self._queued.values())
         out["decoding_requests"] = float(sum(self._decoding.values()))
+        out["booked_kv_tokens"] = sum(self._kv_tokens.values())
         if self.feed is not None:
             out.update(self.feed.stats())
         return out
