@@ -267,6 +267,8 @@ class Cost(Policy):
         self._queued[worker.url] = self._queued.get(worker.url, 0.0) + tokens
         max_new = float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         self._avg_max_new += 0.05 * (max_new - self._avg_max_new)
+        if worker.role == "prefill":  # PD: the prompt's KV leaves with the transfer, no decode follows
+            max_new = 0.0
         live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * max_new, max_new)
         self._live[request.request_id] = live
         self._kv.setdefault(worker.url, {})[request.request_id] = live
@@ -279,6 +281,8 @@ class Cost(Policy):
             self._unqueue(live)
             live.first_token_at = time.monotonic()
             self._decoding[live.url] = self._decoding.get(live.url, 0) + 1
+            if worker.role == "prefill":  # its KV went to the decode worker with the first token
+                self._release_kv(request.request_id, live)
 
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self._picked.pop(request.request_id, None)
@@ -292,11 +296,14 @@ class Cost(Policy):
                     sample = (time.monotonic() - live.first_token_at) / (outcome.completion_tokens - 1)
                     old = self._tpot.get(live.url, sample)
                     self._tpot[live.url] = old + 0.1 * (sample - old)
-            self._kv.get(live.url, {}).pop(request.request_id, None)
-            self._kv_tokens[live.url] = max(self._kv_tokens.get(live.url, 0.0) - live.footprint, 0.0)
+            self._release_kv(request.request_id, live)
         self.verifier.complete(request.request_id, outcome)
         if self.budget is not None:
             self.budget.learn(request, outcome)
+
+    def _release_kv(self, request_id: str, live: _Live) -> None:
+        if self._kv.get(live.url, {}).pop(request_id, None) is not None:
+            self._kv_tokens[live.url] = max(self._kv_tokens.get(live.url, 0.0) - live.footprint, 0.0)
 
     def _unqueue(self, live: _Live) -> None:
         self._queued[live.url] = max(self._queued.get(live.url, 0.0) - live.tokens, 0.0)

@@ -45,3 +45,21 @@ def test_prefix_hit_on_a_prefill_wins_and_the_pair_follows_it():
     second, d = policy.select_pair(req(1, PROMPT + " question two"), [a, b], decodes)
     assert second.worker is first.worker and second.predicted_cached_tokens
     assert d.worker.host == second.worker.host
+
+
+def test_a_prefill_worker_holds_the_prompt_kv_only_until_the_transfer():
+    """In PD the prefill engine frees a request's KV once it is sent to decode (the first
+    token), however long decoding runs: booking it until completion would price a full
+    pool that is not there."""
+    policy = load_policy("pd_cost", memory=True)
+    prefill = WorkerView("http://10.0.0.1:30000", role="prefill", server_info={"max_total_num_tokens": 100_000})
+    req = RequestView("r", "/generate", token_ids=list(range(60_000)), max_tokens=4000)
+    policy.on_routed(req, prefill)
+    assert policy.stats()["booked_kv_tokens"] == 60_000  # the prompt, no output share
+    probe = RequestView("p", "/generate", token_ids=list(range(100_000, 160_000)), max_tokens=10)
+    before = policy.costs(probe, [prefill])[0][0]
+    policy.on_first_token(req, prefill)
+    assert policy.stats()["booked_kv_tokens"] == 0
+    assert policy.costs(probe, [prefill])[0][0] < before
+    policy.on_complete(req, prefill, Outcome(ok=True, completion_tokens=4000))
+    assert policy.stats()["booked_kv_tokens"] == 0
