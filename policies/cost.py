@@ -22,7 +22,9 @@ on the Mooncake trace: bench/RESULTS.md). Every routed request books ``prompt +
 max_tokens / 2`` tokens on its worker until it completes; when a new request does not fit
 (capacity from ``/v1/loads`` or ``server_info``), the wait is the time until enough booked
 requests are expected to finish, ``max_tokens`` after their first token at the worker's
-measured time per output token (``tpot_s`` until measured). ``memory=false`` turns it off.
+measured time per output token (``tpot_s`` until measured), for the share of ``max_tokens``
+that completed requests actually generated (EOS usually comes first; stat ``output_share``).
+``memory=false`` turns it off.
 ``engine_load``: the engines' own waiting counts (``/v1/loads``) stand in for traffic this
 gateway did not route; ``drain`` (default) discounts them by the work done since the poll,
 ``max`` takes them as they are, ``off`` ignores them.
@@ -78,7 +80,8 @@ class _Live:
     url: str
     tokens: float  # prefill work still queued (linear-token equivalents); 0 after the first token
     footprint: float  # KV tokens it holds on the engine
-    max_new: float
+    output: float  # output tokens expected: max_tokens x the share requests have been using
+    max_tokens: float
     first_token_at: float | None = None
 
 
@@ -123,6 +126,7 @@ class Cost(Policy):
         self._decoding: dict[str, int] = {}
         self._avg_uncached = 0.0
         self._avg_max_new = 256.0
+        self._out_ratio = 1.0  # completion tokens / max_tokens, learned from completions
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
         self._live: dict[str, _Live] = {}
         self._kv: dict[str, dict[str, _Live]] = {}  # worker -> its live requests (KV they hold)
@@ -142,7 +146,8 @@ class Cost(Policy):
         queued_of, decoding_of = self._queued, self._decoding
         full = self.prefill_tokens(prompt, 0.0) * inv_prefill
         mode, now, tps = self.engine_load, time.monotonic(), self.prefill_tps
-        output = _OUTPUT_SHARE * float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
+        output = _OUTPUT_SHARE * self._out_ratio * float(
+            request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         memory, need = self.memory, prompt + output
         queued_get, decoding_get, kv_get = queued_of.get, decoding_of.get, self._kv_tokens.get
         waits: list[tuple[float, float, float, float]] = []  # (queue wait, decode, KV held, KV capacity)
@@ -196,13 +201,14 @@ class Cost(Policy):
         An engine admits a request only when its KV fits (SGLang's scheduler stops at the
         first waiting request that does not, so everything behind it waits too); under a
         burst the pool, not prefill compute, is what requests queue for. Each request booked
-        there is expected to free its KV ``max_new`` output tokens after its first token
+        there is expected to free its KV after its expected output (``max_tokens`` times the
+        share of it that requests have been using: EOS usually comes first) after its first token
         (``queue_wait`` from now if it has none yet), at the worker's measured time per
         output token.
         """
         tpot = self._tpot.get(url, self.default_tpot_s)
         ends = sorted(((live.first_token_at if live.first_token_at is not None else now + queue_wait)
-                       + live.max_new * tpot, live.footprint) for live in self._kv.get(url, {}).values())
+                       + live.output * tpot, live.footprint) for live in self._kv.get(url, {}).values())
         freed, end = 0.0, now
         for end, footprint in ends:
             freed += footprint
@@ -267,9 +273,8 @@ class Cost(Policy):
         self._queued[worker.url] = self._queued.get(worker.url, 0.0) + tokens
         max_new = float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         self._avg_max_new += 0.05 * (max_new - self._avg_max_new)
-        if worker.role == "prefill":  # PD: the prompt's KV leaves with the transfer, no decode follows
-            max_new = 0.0
-        live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * max_new, max_new)
+        output = 0.0 if worker.role == "prefill" else max_new * self._out_ratio  # PD prefill: KV leaves with the transfer
+        live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * output, output, max_new)
         self._live[request.request_id] = live
         self._kv.setdefault(worker.url, {})[request.request_id] = live
         self._kv_tokens[worker.url] = self._kv_tokens.get(worker.url, 0.0) + live.footprint
@@ -292,6 +297,9 @@ class Cost(Policy):
                 self._unqueue(live)
             else:
                 self._decoding[live.url] = max(self._decoding.get(live.url, 0) - 1, 0)
+                if outcome.ok and outcome.completion_tokens and live.output:
+                    used = min(outcome.completion_tokens / live.max_tokens, 1.0)
+                    self._out_ratio += 0.05 * (used - self._out_ratio)
                 if outcome.ok and outcome.completion_tokens and outcome.completion_tokens > 1:
                     sample = (time.monotonic() - live.first_token_at) / (outcome.completion_tokens - 1)
                     old = self._tpot.get(live.url, sample)
@@ -339,6 +347,7 @@ class Cost(Policy):
         out["queued_prefill_tokens"] = sum(self._queued.values())
         out["decoding_requests"] = float(sum(self._decoding.values()))
         out["booked_kv_tokens"] = sum(self._kv_tokens.values())
+        out["output_share"] = self._out_ratio
         if self.feed is not None:
             out.update(self.feed.stats())
         return out

@@ -188,3 +188,24 @@ def test_completions_free_booked_kv_and_teach_the_time_per_token():
     assert policy.costs(probe, [w])[0][0] < 5.0
     assert policy._tpot[w.url] < 0.1  # measured: the completions came back at once, not 1 s/token
     assert policy.select(probe, [w]).worker.url == w.url
+
+
+def test_requests_that_stop_early_teach_a_shorter_kv_hold():
+    """Clients ask for max_tokens=4096 and stop at EOS long before: booking and the
+    expected hold follow the share of max_tokens that completions really used."""
+    policy = Cost(tpot_s=0.01)
+    before, history, after = (WorkerView(f"http://127.0.0.1:{8100 + i}", server_info={"max_total_num_tokens": 100_000})
+                              for i in range(3))
+    probe = RequestView("p", "/generate", token_ids=list(range(30_000)), max_tokens=4096)
+    for i in range(3):
+        _decoding(policy, before, f"a{i}", 30_000, 4096)
+    naive = policy.costs(probe, [before])[0][0]
+    assert naive > 30.0  # ~4096 tokens x 10 ms before any of them frees its KV
+    for i in range(100):  # elsewhere, requests that used ~10% of their max_tokens
+        req = _decoding(policy, history, f"h{i}", 100, 4096)
+        policy.on_complete(req, history, Outcome(ok=True, completion_tokens=410))
+    assert policy.stats()["output_share"] < 0.15
+    for i in range(3):  # the same bookings on a worker whose time per token is still the default
+        _decoding(policy, after, f"b{i}", 30_000, 4096)
+    learned = policy.costs(probe, [after])[0][0]
+    assert learned < naive / 4
