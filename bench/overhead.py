@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from bench.host import cpu_name
 from tests.support import ROOT, Proc, child_env, free_port
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -181,12 +182,8 @@ def median(rows: list[dict[str, float]], key: str) -> float:
 # --- reporting --------------------------------------------------------------------------------
 
 def machine() -> str:
-    model = "unknown CPU"
+    model = cpu_name()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
         mem_kb = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                       if ln.startswith("MemTotal"))
         mem = f"{mem_kb / 2**20:.0f} GiB RAM"

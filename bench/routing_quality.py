@@ -317,14 +317,9 @@ def main(argv: list[str] | None = None) -> int:
 def machine() -> str:
     import os
 
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from .host import cpu_name
+
+    cpu = cpu_name()
     load = os.getloadavg()
     return (f"{platform.node() or 'host'}: {os.cpu_count()} CPU ({cpu}), Python {platform.python_version()}, "
             f"load average at start {load[0]:.1f}")
