@@ -2,7 +2,8 @@
 
 Builds a fleet of ``--workers`` workers whose caches hold ``--blocks`` distinct KV blocks
 (multi-turn conversations of random tokens, each conversation cached on 1-3 workers in
-mixed tiers), then times ``Policy.select`` on follow-up turns: the precise index (KV
+mixed tiers), each with the engine load it last reported, then times ``Policy.select`` on
+follow-up turns: the precise index (KV
 events), the approximate radix tree on the same keys, and the cost policy on each. The
 precise index learns each block's page key from the events' token ids (as the KV-event feed
 does) and matches prompts by page keys; a prompt's keys are computed once per request (as
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import cpu_name  # noqa: E402
-from policies.base import RequestView, WorkerView  # noqa: E402
+from policies.base import EngineLoad, RequestView, WorkerView  # noqa: E402
 from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
@@ -97,8 +98,14 @@ def main() -> None:
     # Every worker names a KV-event publisher (never subscribed to: the feed is not started),
     # so kv_events matches on the precise index instead of falling back to the text tree.
     info = {"page_size": ps, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
+    # Each worker carries the load its engine last reported (/v1/loads), as the gateway polls
+    # it for the policies that ask (cost does): every worker's backlog and KV use is priced.
     workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
-                          server_info=info) for i in range(args.workers)]
+                          server_info=info,
+                          load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
+                                          used_tokens=rng.randrange(400_000), max_tokens=400_000,
+                                          timestamp=time.monotonic()))
+               for i in range(args.workers)]
     owners = {c: rng.sample(range(args.workers), rng.choice((1, 1, 2, 3))) for c in range(n_conv)}
 
     # -- precise index: 1M distinct blocks ---------------------------------------------

@@ -66,7 +66,7 @@ from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, requ
 from policies.cache_aware import make_radix, make_verifier
 from policies.kv_feed import KvEventFeed
 from policies.tree_budget import TreeBudget
-from policies.prefix_index import IndexMatch, PrefixIndex
+from policies.prefix_index import IndexMatch, PrefixIndex, Tiers
 
 # Share of ``max_new_tokens`` a request's KV is booked at: the engine reserves part of it at
 # admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
@@ -83,6 +83,31 @@ class _Live:
     output: float  # output tokens expected: max_tokens x the share requests have been using
     max_tokens: float
     first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Booked:
+    """What this gateway has sent one worker and not yet seen finish."""
+
+    queued: float = 0.0  # prefill work before first tokens, in linear-token equivalents
+    decoding: int = 0  # requests past their first token
+    kv: float = 0.0  # KV tokens its live requests hold (sum of their footprints)
+
+
+_IDLE = _Booked()  # read-only stand-in for a worker with nothing booked
+
+
+@dataclass(slots=True)
+class _Backlogs:
+    """One request's view of the fleet before hit credits (see ``Cost._backlogs``)."""
+
+    prompt: float  # prompt tokens
+    full: float  # seconds to prefill all of them
+    output: float  # output tokens expected (KV they will hold)
+    now: float
+    bases: list[float]  # per worker, in order: wait + decode cost with no hit
+    held: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]]  # url -> (position, tiers,
+    # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off))
 
 
 class Cost(Policy):
@@ -122,15 +147,13 @@ class Cost(Policy):
         else:
             self.index = index
         self.verifier = make_verifier(self.name, options)
-        self._queued: dict[str, float] = {}  # booked prefill work per worker, in linear-token equivalents
-        self._decoding: dict[str, int] = {}
+        self._book: dict[str, _Booked] = {}  # per worker: what this gateway sent it
         self._avg_uncached = 0.0
         self._avg_max_new = 256.0
         self._out_ratio = 1.0  # completion tokens / max_tokens, learned from completions
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
         self._live: dict[str, _Live] = {}
         self._kv: dict[str, dict[str, _Live]] = {}  # worker -> its live requests (KV they hold)
-        self._kv_tokens: dict[str, float] = {}  # worker -> sum of their footprints
         self._tpot: dict[str, float] = {}  # worker -> measured seconds per output token
 
     # -- the model ----------------------------------------------------------------------
@@ -141,59 +164,80 @@ class Cost(Policy):
     def predict(self, request: RequestView, workers: Sequence[WorkerView],
                 match: IndexMatch) -> list[tuple[float, float, float]]:
         """(ttft seconds, uncached tokens, cached tokens) per worker, in ``workers`` order."""
+        b = self._backlogs(request, workers, match)
+        out = [(base + b.full, b.prompt, 0.0) for base in b.bases]
+        for url, (i, tiers, state) in b.held.items():
+            out[i] = self._hit_cost(url, tiers, b, *state)
+        return out
+
+    def _backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> _Backlogs:
+        """Every worker's cost with no hit, in one pass; where the hits are, for
+        ``_hit_cost``. Split so ``select`` can take the cheapest miss with ``min`` and price
+        only the few workers that hold part of the prompt."""
         prompt = float(request.prompt_tokens_estimate)
         inv_prefill, decode_cost, avg = 1.0 / self.prefill_tps, self.decode_cost_s, self._avg_uncached
-        queued_of, decoding_of = self._queued, self._decoding
-        full = self.prefill_tokens(prompt, 0.0) * inv_prefill
         mode, now, tps = self.engine_load, time.monotonic(), self.prefill_tps
         output = _OUTPUT_SHARE * self._out_ratio * float(
             request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         memory, need = self.memory, prompt + output
-        queued_get, decoding_get, kv_get = queued_of.get, decoding_of.get, self._kv_tokens.get
-        waits: list[tuple[float, float, float, float]] = []  # (queue wait, decode, KV held, KV capacity)
-        out = []
+        book_get, idle, live_get = self._book.get, _IDLE, self._kv.get
+        use_load, drain = mode != "off", mode == "drain"
+        hits = match.hits if match.hits and not self.verifier.degraded else {}
+        scale = 1.0
+        if hits and match.unit != "tokens":
+            scale = prompt / match.query_len if match.query_len else 0.0
+        held: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
+        bases: list[float] = []
+        # This runs once per worker (64 in bench/decision_cost.py), so each operation in it
+        # costs a few us a decision: hence comparisons instead of max(), and the KV wait
+        # priced only where this gateway has requests booked (none: nothing to wait for).
         for w in workers:  # every worker: no hit, just its backlog
             url = w.url
-            queued = queued_get(url, 0.0)
-            running = decoding_get(url, 0)
-            held, capacity = kv_get(url, 0.0), 0
+            book = book_get(url, idle)
+            queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
             load = w.load
             if load is not None:
-                if mode != "off":  # traffic this gateway did not route still occupies the engine
+                if use_load:  # traffic this gateway did not route still occupies the engine
                     backlog = load.waiting * avg
-                    if mode == "drain":  # the engine has been working through it since the poll
+                    if drain:  # the engine has been working through it since the poll
                         backlog -= (now - load.timestamp) * tps
-                    queued = max(queued, backlog)
-                    running = max(running, load.running)
+                    if backlog > queued:
+                        queued = backlog
+                    if load.running > running:
+                        running = load.running
                 capacity = load.max_tokens
-                held = max(held, load.used_tokens)
+                if load.used_tokens > kv:
+                    kv = load.used_tokens
             wait, decode = queued * inv_prefill, running * decode_cost
-            if held and memory:  # nothing held: nothing to wait for
+            if kv and memory:  # nothing held: nothing to wait for
                 if not capacity:
                     capacity = w.server_info.get("max_total_num_tokens") or 0
-                waits.append((wait, decode, held, capacity))
-                if capacity and held + need > capacity:
-                    wait = max(wait, self.memory_wait(url, held + need - capacity, now, wait))
             else:
-                waits.append((wait, decode, held, 0))
-            out.append((wait + decode + full, prompt, 0.0))
-        if match.hits and not self.verifier.degraded:  # then credit the few that hold the prefix
-            scale = 1.0 if match.unit == "tokens" else (prompt / match.query_len if match.query_len else 0.0)
-            position = {w.url: i for i, w in enumerate(workers)}
-            for url, t in match.hits.items():
-                i = position.get(url)
-                if i is None:
-                    continue
-                gpu, host, pool = t.gpu * scale, t.host * scale, t.pool * scale
-                cached = min(gpu + host + pool, prompt)
-                uncached = prompt - cached
-                wait, decode, held, capacity = waits[i]
-                if memory and capacity and held + uncached + output > capacity:
-                    wait = max(wait, self.memory_wait(url, held + uncached + output - capacity, now, wait))
-                ttft = (wait + decode + self.prefill_tokens(uncached, cached) * inv_prefill
-                        + host / self.host_tps + pool / self.pool_tps)
-                out[i] = (ttft, uncached, cached)
-        return out
+                capacity = 0
+            if hits and url in hits and url not in held:
+                t = hits[url]
+                held[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)),
+                             (wait, decode, kv, capacity))
+            if capacity and kv + need > capacity and live_get(url):
+                over = self.memory_wait(url, kv + need - capacity, now, wait)
+                if over > wait:
+                    wait = over
+            bases.append(wait + decode)
+        full = self.prefill_tokens(prompt, 0.0) * inv_prefill
+        return _Backlogs(prompt, full, output, now, bases, held)
+
+    def _hit_cost(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
+                  capacity: float) -> tuple[float, float, float]:
+        """(ttft, uncached, cached) of a worker holding ``tiers`` of the prompt."""
+        gpu, host, pool = tiers
+        prompt = b.prompt
+        cached = min(gpu + host + pool, prompt)
+        uncached = prompt - cached
+        if capacity and kv + uncached + b.output > capacity:
+            wait = max(wait, self.memory_wait(url, kv + uncached + b.output - capacity, b.now, wait))
+        ttft = (wait + decode + self.prefill_tokens(uncached, cached) * (1.0 / self.prefill_tps)
+                + host / self.host_tps + pool / self.pool_tps)
+        return ttft, uncached, cached
 
     def memory_wait(self, url: str, over: float, now: float, queue_wait: float) -> float:
         """Seconds until ``over`` more KV tokens are free on the worker than it has now.
@@ -206,9 +250,12 @@ class Cost(Policy):
         (``queue_wait`` from now if it has none yet), at the worker's measured time per
         output token.
         """
+        lives = self._kv.get(url)
+        if not lives:
+            return 0.0
         tpot = self._tpot.get(url, self.default_tpot_s)
         ends = sorted(((live.first_token_at if live.first_token_at is not None else now + queue_wait)
-                       + live.output * tpot, live.footprint) for live in self._kv.get(url, {}).values())
+                       + live.output * tpot, live.footprint) for live in lives.values())
         freed, end = 0.0, now
         for end, footprint in ends:
             freed += footprint
@@ -230,26 +277,49 @@ class Cost(Policy):
         return [ttft + k * uncached * (1.0 + (cached + uncached / 2.0) * inv_attention)
                 for ttft, uncached, cached in costs]
 
-    def costs(self, request: RequestView, workers: Sequence[WorkerView]) -> list[tuple[float, float, float]]:
-        """``predict`` over what the index knows of these workers right now."""
+    def _match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
+        """What the index knows of these workers right now."""
         if self.feed is not None:
             self.feed.follow(workers)
         if self.budget is not None:
             self.budget.observe(workers)
-        match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
-        return self.predict(request, workers, match)
+        return self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
+
+    def costs(self, request: RequestView, workers: Sequence[WorkerView]) -> list[tuple[float, float, float]]:
+        """``predict`` over what the index knows of these workers right now."""
+        return self.predict(request, workers, self._match(request, workers))
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)
-        costs = self.costs(request, workers)
-        scores = self.scores(costs)
+        match = self._match(request, workers)
         if self.temperature > 0 and len(workers) > 1:
+            costs = self.predict(request, workers, match)
+            scores = self.scores(costs)
             best = min(scores)
             weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]
             i = self._rng.choices(range(len(workers)), weights)[0]
-        else:
-            i = scores.index(min(scores))  # first of equals
-        return self.commit(request, workers[i], *costs[i])
+            return self.commit(request, workers[i], *costs[i])
+        # Every miss adds the same prefill, so the cheapest miss is the least backlog and only
+        # the workers holding part of the prompt need pricing one by one.
+        b = self._backlogs(request, workers, match)
+        bases = b.bases
+        i = bases.index(min(bases))
+        cost = (bases[i] + b.full, b.prompt, 0.0)
+        miss = best = (self.scores([cost])[0], i)
+        for url, (j, tiers, state) in b.held.items():
+            hit = self._hit_cost(url, tiers, b, *state)
+            score = (self.scores([hit])[0], j)
+            if j == i:
+                if score > miss:  # a hit priced above a miss (a slow pool): no shortcut
+                    costs = self.predict(request, workers, match)
+                    scores = self.scores(costs)
+                    i = scores.index(min(scores))
+                    return self.commit(request, workers[i], *costs[i])
+                if score <= best:  # the same worker: its hit stands for its miss
+                    best, cost = score, hit
+            elif score < best:
+                best, cost = score, hit
+        return self.commit(request, workers[best[1]], *cost)
 
     def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
                cached: float) -> Choice:
@@ -270,14 +340,15 @@ class Cost(Policy):
         url, tokens = self._picked.pop(request.request_id, (worker.url, full))
         if url != worker.url:  # the gateway sent it elsewhere (retry): book it there in full
             tokens = full
-        self._queued[worker.url] = self._queued.get(worker.url, 0.0) + tokens
+        book = self._booked(worker.url)
+        book.queued += tokens
         max_new = float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         self._avg_max_new += 0.05 * (max_new - self._avg_max_new)
         output = 0.0 if worker.role == "prefill" else max_new * self._out_ratio  # PD prefill: KV leaves with the transfer
         live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * output, output, max_new)
         self._live[request.request_id] = live
         self._kv.setdefault(worker.url, {})[request.request_id] = live
-        self._kv_tokens[worker.url] = self._kv_tokens.get(worker.url, 0.0) + live.footprint
+        book.kv += live.footprint
         self._avg_uncached += 0.05 * (tokens - self._avg_uncached)
 
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
@@ -285,7 +356,7 @@ class Cost(Policy):
         if live and live.first_token_at is None:
             self._unqueue(live)
             live.first_token_at = time.monotonic()
-            self._decoding[live.url] = self._decoding.get(live.url, 0) + 1
+            self._booked(live.url).decoding += 1
             if worker.role == "prefill":  # its KV went to the decode worker with the first token
                 self._release_kv(request.request_id, live)
 
@@ -296,7 +367,8 @@ class Cost(Policy):
             if live.first_token_at is None:
                 self._unqueue(live)
             else:
-                self._decoding[live.url] = max(self._decoding.get(live.url, 0) - 1, 0)
+                book = self._booked(live.url)
+                book.decoding = max(book.decoding - 1, 0)
                 if outcome.ok and outcome.completion_tokens and live.output:
                     used = min(outcome.completion_tokens / live.max_tokens, 1.0)
                     self._out_ratio += 0.05 * (used - self._out_ratio)
@@ -311,10 +383,18 @@ class Cost(Policy):
 
     def _release_kv(self, request_id: str, live: _Live) -> None:
         if self._kv.get(live.url, {}).pop(request_id, None) is not None:
-            self._kv_tokens[live.url] = max(self._kv_tokens.get(live.url, 0.0) - live.footprint, 0.0)
+            book = self._booked(live.url)
+            book.kv = max(book.kv - live.footprint, 0.0)
+
+    def _booked(self, url: str) -> _Booked:
+        book = self._book.get(url)
+        if book is None:
+            book = self._book[url] = _Booked()
+        return book
 
     def _unqueue(self, live: _Live) -> None:
-        self._queued[live.url] = max(self._queued.get(live.url, 0.0) - live.tokens, 0.0)
+        book = self._booked(live.url)
+        book.queued = max(book.queued - live.tokens, 0.0)
         live.tokens = 0.0
 
     def on_worker_added(self, worker: WorkerView) -> None:
@@ -325,10 +405,8 @@ class Cost(Policy):
         if self.feed is not None:
             self.feed.remove(worker.url)
         self.index.remove_worker(worker.url)
-        self._queued.pop(worker.url, None)
-        self._decoding.pop(worker.url, None)
+        self._book.pop(worker.url, None)
         self._kv.pop(worker.url, None)
-        self._kv_tokens.pop(worker.url, None)
         self._tpot.pop(worker.url, None)
 
     async def start(self) -> None:
@@ -344,9 +422,9 @@ class Cost(Policy):
         out.update(self.verifier.stats())
         if self.budget is not None:
             out.update(self.budget.stats())
-        out["queued_prefill_tokens"] = sum(self._queued.values())
-        out["decoding_requests"] = float(sum(self._decoding.values()))
-        out["booked_kv_tokens"] = sum(self._kv_tokens.values())
+        out["queued_prefill_tokens"] = sum(b.queued for b in self._book.values())
+        out["decoding_requests"] = float(sum(b.decoding for b in self._book.values()))
+        out["booked_kv_tokens"] = sum(b.kv for b in self._book.values())
         out["output_share"] = self._out_ratio
         if self.feed is not None:
             out.update(self.feed.stats())

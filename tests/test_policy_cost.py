@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from policies.base import EngineLoad, Outcome, RequestView, WorkerView
 from policies.block_index import BlockIndex
@@ -209,3 +211,36 @@ def test_requests_that_stop_early_teach_a_shorter_kv_hold():
         _decoding(policy, after, f"b{i}", 30_000, 4096)
     learned = policy.costs(probe, [after])[0][0]
     assert learned < naive / 4
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_select_takes_the_lowest_score_of_predict(data):
+    """``select`` prices only the workers holding part of the prompt and takes the cheapest
+    miss by ``min``; whatever the fleet (loads, booked KV, hits in every tier, a pool slower
+    than recomputing), it must land on a worker whose ``predict`` score is the minimum."""
+    ps, n = 4, data.draw(st.integers(1, 6), label="workers")
+    pool_tps = data.draw(st.sampled_from([2_000.0, 40_000.0]), label="pool speed")
+    index = BlockIndex(default_page_size=ps)
+    policy = Cost(index=index, prefill_tokens_per_s=25_000, pool_load_tokens_per_s=pool_tps, engine_load="max")
+    prompt = list(range(1, 1 + ps * 40))
+    ws = []
+    for i in range(n):
+        load = data.draw(st.none() | st.builds(
+            EngineLoad, running=st.integers(0, 40), waiting=st.integers(0, 8),
+            used_tokens=st.integers(0, 900), max_tokens=st.sampled_from([0, 400, 1000])), label=f"load {i}")
+        w = WorkerView(f"http://127.0.0.1:{8300 + i}", load=load, server_info={"max_total_num_tokens": 1000})
+        ws.append(w)
+        pages = data.draw(st.integers(0, 40), label=f"pages held by {i}")
+        if pages:
+            tokens = prompt[: pages * ps]
+            index.store(w.url, page_hashes(tokens, ps), None, data.draw(st.integers(0, 2)), ps, tokens)
+        for r in range(data.draw(st.integers(0, 3), label=f"booked on {i}")):
+            booked = RequestView(f"b{i}-{r}", "/generate", token_ids=list(range(5000, 5000 + 300)), max_tokens=200)
+            policy.on_routed(booked, w)
+            if data.draw(st.booleans()):
+                policy.on_first_token(booked, w)
+    probe = RequestView("probe", "/generate", token_ids=prompt, max_tokens=100)
+    scores = policy.scores(policy.predict(probe, ws, index.match(probe, ws)))
+    chosen = policy.select(probe, ws)
+    assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9

@@ -47,6 +47,9 @@ def test_cost_policy_ignores_hits_while_degraded():
         policy.on_complete(r, c.worker, Outcome(ok=True, prompt_tokens=700, cached_tokens=0))
     assert policy.verifier.degraded
     # With hits ignored the owner has no edge: a decode backlog sends the request away.
-    policy._decoding[owner.url] = 10
+    for i in range(10):  # ten requests decoding there
+        busy = RequestView(f"busy{i}", "/generate", text="other " * 10)
+        policy.on_routed(busy, owner)
+        policy.on_first_token(busy, owner)
     choice = policy.select(RequestView("x", "/generate", text=text), ws)
     assert choice.worker.url != owner.url and choice.reason.startswith("degraded")
