@@ -99,6 +99,10 @@ class _Worker:
         self.log.close()
 
 
+class _PortTaken(RuntimeError):
+    """A worker could not bind the port picked for it: something else took it meanwhile."""
+
+
 class SimCluster:
     """Start ``workers`` unified workers, or ``prefill`` + ``decode`` PD workers (or both).
 
@@ -136,6 +140,17 @@ class SimCluster:
         return self.base_port + offset if self.base_port is not None else _free_port(self.host)
 
     def start(self) -> "SimCluster":
+        """Start every worker; with ports picked here (no ``base_port``), a port another
+        process took between the pick and the worker's bind is picked again (bounded)."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if self.base_port is not None or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "SimCluster":
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["PYTHONUNBUFFERED"] = "1"
@@ -194,7 +209,9 @@ class SimCluster:
         while pending:
             for w in list(pending):
                 if w.popen.poll() is not None:
-                    raise RuntimeError(f"simulated worker {w.url} exited with {w.popen.returncode}:\n{w.tail()}")
+                    tail = w.tail()
+                    error = _PortTaken if "address already in use" in tail else RuntimeError
+                    raise error(f"simulated worker {w.url} exited with {w.popen.returncode}:\n{tail}")
                 if _status(w.url + "/health") == 200:
                     pending.remove(w)
             if pending and time.monotonic() > deadline:

@@ -46,3 +46,31 @@ def test_kvgate_sim_cli_prints_urls_and_stops_on_sigterm():
         assert all(http_status(u + "/health") is None for u in urls)
     finally:
         proc.stop()
+
+
+def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(monkeypatch):
+    """Ports are picked free and bound later by the worker process; another process can
+    take one in between (it happened in a benchmark). The cluster then retries with new ports."""
+    import socket
+
+    import simulator.cluster as cluster
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real, handed = cluster._free_port, []
+
+    def first_one_taken(host: str) -> int:
+        port = taken if not handed else real(host)
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(cluster, "_free_port", first_one_taken)
+    try:
+        with SimCluster(workers=1, engine_args=["--time-scale", "20"], kv_events=False) as c:
+            assert handed[0] == taken and len(handed) >= 2
+            assert c.urls and not c.urls[0].endswith(f":{taken}")
+            assert http_status(c.urls[0] + "/health") == 200
+    finally:
+        squatter.close()
