@@ -47,7 +47,9 @@ The choice minimises ``ttft + work_weight * prefill(uncached)``: a miss is charg
 prefill it adds to the fleet (the wait of whoever queues behind it), not only for its own
 wait, so a warm worker keeps a conversation unless its queue really costs more. Greedy
 own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS.md,
-"Routing quality").
+"Routing quality"). The default, 2, charges that work twice: against 1, in four interleaved
+pairs of routing-quality runs, p99 TTFT was lower in all four (ratios 0.80-0.95) and mean
+TTFT in three (median ratio 0.93), with a slightly higher hit rate.
 
 ``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
 minimum, which spreads near-equal choices and keeps the index from tunnelling.
@@ -116,7 +118,7 @@ class Cost(Policy):
 
     def __init__(self, prefill_tokens_per_s: float = 25_000.0, host_load_tokens_per_s: float = 190_000.0,
                  pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
-                 attention_tokens: float = 32_768.0, work_weight: float = 1.0, temperature: float = 0.0,
+                 attention_tokens: float = 32_768.0, work_weight: float = 2.0, temperature: float = 0.0,
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
                  memory: bool = True, tpot_s: float = 0.03, **options) -> None:
         super().__init__(**options)
