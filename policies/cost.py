@@ -295,33 +295,37 @@ class Cost(Policy):
         require_workers(workers)
         match = self._match(request, workers)
         if self.temperature > 0 and len(workers) > 1:
-            costs = self.predict(request, workers, match)
-            scores = self.scores(costs)
-            best = min(scores)
-            weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]
-            i = self._rng.choices(range(len(workers)), weights)[0]
-            return self.commit(request, workers[i], *costs[i])
+            return self._select_scored(request, workers, match)
         # Every miss adds the same prefill, so the cheapest miss is the least backlog and only
         # the workers holding part of the prompt need pricing one by one.
         b = self._backlogs(request, workers, match)
         bases = b.bases
         i = bases.index(min(bases))
         cost = (bases[i] + b.full, b.prompt, 0.0)
-        miss = best = (self.scores([cost])[0], i)
+        miss = best = (self._score(cost), i)
         for url, (j, tiers, state) in b.held.items():
             hit = self._hit_cost(url, tiers, b, *state)
-            score = (self.scores([hit])[0], j)
+            score = (self._score(hit), j)
             if j == i:
                 if score > miss:  # a hit priced above a miss (a slow pool): no shortcut
-                    costs = self.predict(request, workers, match)
-                    scores = self.scores(costs)
-                    i = scores.index(min(scores))
-                    return self.commit(request, workers[i], *costs[i])
+                    return self._select_scored(request, workers, match)
                 if score <= best:  # the same worker: its hit stands for its miss
                     best, cost = score, hit
             elif score < best:
                 best, cost = score, hit
         return self.commit(request, workers[best[1]], *cost)
+
+    def _select_scored(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> Choice:
+        """Score every worker: softmax sampling with a ``temperature``, else the first minimum."""
+        costs = self.predict(request, workers, match)
+        scores = self.scores(costs)
+        best = min(scores)
+        if self.temperature > 0 and len(workers) > 1:
+            weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]
+            i = self._rng.choices(range(len(workers)), weights)[0]
+        else:
+            i = scores.index(best)  # first of equals
+        return self.commit(request, workers[i], *costs[i])
 
     def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
                cached: float) -> Choice:
