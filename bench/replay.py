@@ -114,7 +114,7 @@ async def _one(session: aiohttp.ClientSession, base: str, api: str, row: Request
     path, body = _body(api, text, max_tokens, model, row.index)
     t0 = time.monotonic()
     try:
-        async with session.post(base + path, data=_enc.encode(body), headers=_JSON,
+        async with session.post(base + path, data=_enc.encode(body), headers={**_JSON, "X-Request-ID": f"replay-{row.index}"},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             row.status = resp.status
             row.worker = resp.headers.get(worker_header, "")

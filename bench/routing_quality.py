@@ -93,9 +93,11 @@ def worker_stats(url: str) -> dict:
 
 
 def kvgate_policy_stats(url: str) -> dict[str, float]:
+    """The policy's own stats, plus the gateway's count and time of held requests."""
     _, body = http_get(url + "/metrics")
-    vals = prom_values(body.decode(), {"kvgate_policy_stat"})
-    return {dict(labels)["stat"]: v for (_, labels), v in vals.items()}
+    held = {"kvgate_held_total", "kvgate_hold_seconds_sum"}
+    vals = prom_values(body.decode(), {"kvgate_policy_stat"} | held)
+    return {name if name in held else dict(labels)["stat"]: v for (name, labels), v in vals.items()}
 
 
 # ---- load model -------------------------------------------------------------------------------
@@ -203,6 +205,7 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "drift_window": p.get("hit_drift_ratio"), "drift_degradations": p.get("hit_degradations_total"),
         "predicted_cached_tokens": p.get("hit_predicted_tokens_total"),
         "verified_cached_tokens": p.get("hit_actual_tokens_total"),
+        "held": p.get("kvgate_held_total"), "hold_s_total": p.get("kvgate_hold_seconds_sum"),
         "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()
                       if k.startswith("decisions_")},
     }

@@ -67,7 +67,7 @@ def start_kvgate(worker_urls: Sequence[str], policy: str, options: dict[str, str
                  tokenizer: str | None = "byte") -> Service:
     port = free_port()
     args = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy, "--log-level", "warning", "--worker-urls", *worker_urls]
+            "--policy", policy, "--log-level", os.environ.get("KVGATE_BENCH_LOG_LEVEL", "warning"), "--worker-urls", *worker_urls]
     if tokenizer:
         args += ["--tokenizer", tokenizer]
     for k, v in options.items():

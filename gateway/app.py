@@ -82,9 +82,10 @@ class GatewayState:
         self.registry.listeners.append(self._on_worker_event)
         if cfg.pd_disaggregation:
             self.proxy = PDProxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                                 prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"])
+                                 cfg.max_hold_secs, prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"])
         else:
-            self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries)
+            self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
+                               cfg.max_hold_secs)
         for role, policy in self.policies.items():
             self.metrics.policy_sources.append((f"{role}:{policy.name}", policy.stats))
         for policy in unique:
@@ -236,6 +237,7 @@ async def metrics(request: web.Request) -> web.Response:
     for worker in state.registry.workers.values():
         state.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
     state.metrics.queue_depth.set(state.admission.queued)
+    state.metrics.held_now.set(state.proxy.holds.held)
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 

@@ -54,6 +54,11 @@ class GatewayMetrics:
         self.in_flight = Gauge("kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r)
         self.healthy = Gauge("kvgate_worker_healthy", "1 when the worker passes health checks", ["worker", "role"], registry=r)
         self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
+        self.held_now = Gauge("kvgate_held_requests", "Requests the policy is holding until a worker can start them",
+                              registry=r)
+        self.held = Counter("kvgate_held_total", "Requests the policy held before choosing a worker", registry=r)
+        self.hold_seconds = Histogram("kvgate_hold_seconds", "Time held requests spent in the gateway before routing",
+                                      buckets=_LATENCY, registry=r)
         self.rejected = Counter("kvgate_rejected_total", "Requests refused by admission or validation", ["reason"], registry=r)
         self.prompt_tokens = Counter("kvgate_prompt_tokens_total", "Prompt tokens reported by engines", registry=r)
         self.cached_tokens = Counter("kvgate_cached_tokens_total", "Cached prompt tokens reported by engines", registry=r)

@@ -30,7 +30,7 @@ from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, ou
                            upstream_headers)
 from gateway.request import Body
 from gateway.workers import Worker
-from policies.base import Choice, NoWorkerAvailable, Outcome, Policy, RequestView
+from policies.base import Choice, Hold, NoWorkerAvailable, Outcome, Policy, RequestView
 
 log = logging.getLogger("kvgate.pd")
 _enc = msgspec.json.encode
@@ -102,7 +102,7 @@ class PDProxy(Proxy):
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
 
-    async def _pair(self, view: RequestView, tried: set[str]) -> tuple[Choice, Choice] | None:
+    async def _pair(self, view: RequestView, tried: set[str]) -> tuple[Choice, Choice] | Hold | None:
         def pool(role: str) -> list[Worker]:  # untried first, as in Proxy.forward
             return (self.registry.candidates(view.model, role=role, exclude=tried)
                     or (self.registry.candidates(view.model, role=role) if tried else []))
@@ -116,9 +116,18 @@ class PDProxy(Proxy):
                 chosen = pair(view, [w.view for w in prefills], [w.view for w in decodes])
                 return await chosen if inspect.isawaitable(chosen) else chosen
             p = await select(self.prefill_policy, view, [w.view for w in prefills])
-            d = await select(self.decode_policy, view, [w.view for w in decodes])
+            if isinstance(p, Hold):  # nothing is booked yet: the decode leg is chosen with it later
+                return p
+            may_hold, view.may_hold = view.may_hold, False  # prefill is chosen: decode must follow
+            try:
+                d = await select(self.decode_policy, view, [w.view for w in decodes])
+            finally:
+                view.may_hold = may_hold
         except NoWorkerAvailable:
             return None
+        if isinstance(d, Hold):
+            raise GatewayError(500, f"policy {self.decode_policy.name!r} held a request it was told not to hold",
+                               code="policy_error")
         return p, d
 
     async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: Body | None = None) -> web.StreamResponse:
@@ -127,8 +136,12 @@ class PDProxy(Proxy):
         last_failure: tuple[int, bytes, str] | None = None
         attempts = timeouts = 0
         items = batch_size(body)
+        view.may_hold = self.holds.max_hold_s > 0  # a first attempt only, as in Proxy.forward
         for attempt in range(self.max_retries + 1):
             pair = await self._pair(view, tried)
+            if isinstance(pair, Hold):
+                pair = await self.hold(view, pair, lambda: self._pair(view, tried))
+            view.may_hold = False
             if pair is None:
                 break
             p_choice, d_choice = pair
@@ -246,6 +259,7 @@ class PDProxy(Proxy):
             prefill.breaker.record_success()
             p_outcome = Outcome(ok=True, status=200)
             self.prefill_policy.on_first_token(view, prefill.view)
+            self.freed()
             if first is None:  # non-stream JSON
                 data = await upstream.read()
                 if need_prefill:
@@ -274,6 +288,7 @@ class PDProxy(Proxy):
             self.count_tokens(p_outcome, p_choice)
             self.prefill_policy.on_complete(view, prefill.view, p_outcome)
             self.decode_policy.on_complete(view, decode.view, d_outcome)
+            self.freed()
 
     def _leg_failure(self, worker: Worker, task: asyncio.Task) -> tuple[int, bytes, str] | None:
         exc = task.exception()

@@ -12,22 +12,25 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
 from gateway.errors import GatewayError, sse_error_frame
+from gateway.hold import HoldRoom
 from gateway.metrics import GatewayMetrics
 from gateway.workers import Worker, WorkerRegistry
-from policies.base import Choice, NoWorkerAvailable, Outcome, Policy, RequestView, WorkerView
+from policies.base import Choice, Hold, NoWorkerAvailable, Outcome, Policy, RequestView, WorkerView
 
 log = logging.getLogger("kvgate.proxy")
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 MALFORMED = "upstream answered with malformed JSON"
 _TAIL_BYTES = 16384
+T = TypeVar("T")
 
 
 class _Details(msgspec.Struct):
@@ -123,7 +126,7 @@ def _kind(exc: BaseException, otherwise: str) -> str:
     return "timeout" if isinstance(exc, asyncio.TimeoutError) else otherwise
 
 
-async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView]) -> Choice:
+async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
     """``Policy.select`` may be plain or async; a plain ``Choice`` skips ``inspect.isawaitable``."""
     choice = policy.select(view, workers)
     if type(choice) is not Choice and inspect.isawaitable(choice):
@@ -133,28 +136,74 @@ async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView
 
 class Proxy:
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, max_retries: int) -> None:
+                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0) -> None:
         self.registry = registry
         self.policy = policy
         self.session = session
         self.metrics = metrics
         self.max_retries = max_retries
+        self.holds = HoldRoom(max_hold_s)
+
+    async def hold(self, view: RequestView, held: Hold, decide: Callable[[], Awaitable[T | Hold]]) -> T:
+        """Keep a held request until ``decide()`` answers something other than ``Hold``.
+
+        It is asked again whenever a routed request reaches its first token or ends, or
+        after the policy's ``retry_s``; past ``max_hold_s`` the request no longer
+        ``may_hold`` and the policy must choose."""
+        if not view.may_hold:
+            raise GatewayError(500, f"policy {self.policy.name!r} held a request it was told not to hold",
+                               code="policy_error")
+        room, start = self.holds, time.monotonic()
+        self.metrics.held.inc()
+        try:
+            while True:
+                left = room.max_hold_s - (time.monotonic() - start)
+                if left > 0:
+                    await room.wait(min(held.retry_s, left))
+                view.held_s = time.monotonic() - start
+                view.may_hold = view.held_s < room.max_hold_s
+                result = await decide()
+                if not isinstance(result, Hold):
+                    return result
+                if not view.may_hold:
+                    raise GatewayError(500, f"policy {self.policy.name!r} held a request past max_hold_secs",
+                                       code="policy_error")
+                held = result
+        finally:
+            view.may_hold = False
+            self.metrics.hold_seconds.observe(time.monotonic() - start)
+
+    def freed(self) -> None:
+        """A request reached its first token or ended: held requests are decided again."""
+        if self.holds.held:
+            self.holds.notify()
 
     async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: object = None) -> web.StreamResponse:
         tried: list[str] = []
         timed_out: list[str] = []  # never worth a second try: the engine is stuck, not unlucky
         last_failure: tuple[int, bytes, str] | None = None
-        for attempt in range(self.max_retries + 1):
+        view.may_hold = self.holds.max_hold_s > 0  # a first attempt only: a retry has waited already
+
+        def candidates() -> list[Worker]:
             # Prefer workers not tried yet; when every one was, any available one (a fault
             # may be the request's bad luck, not the worker's; the breaker catches the rest).
-            candidates = self.registry.candidates(view.model, exclude=tried) or (
+            return self.registry.candidates(view.model, exclude=tried) or (
                 self.registry.candidates(view.model, exclude=timed_out) if tried else [])
-            if not candidates:
-                break
+
+        async def decide() -> Choice | Hold:
+            workers = candidates()
+            if not workers:
+                raise NoWorkerAvailable
+            return await select(self.policy, view, [w.view for w in workers])
+
+        for attempt in range(self.max_retries + 1):
             try:
-                choice = await select(self.policy, view, [w.view for w in candidates])
+                choice = await decide()
+                if type(choice) is not Choice:
+                    choice = await self.hold(view, choice, decide)
             except NoWorkerAvailable:
                 break
+            view.may_hold = False
             worker = self.registry.workers.get(choice.worker.url)
             if worker is None:
                 raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
@@ -196,6 +245,8 @@ class Proxy:
         worker.breaker.on_attempt()
         self.metrics.routed_to(worker.url).inc()
         self.policy.on_routed(view, wv)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s -> %s (%s, held %.3fs)", view.request_id, worker.url, choice.reason, view.held_s)
         outcome = Outcome(ok=False, status=0, error="cancelled")
         upstream: aiohttp.ClientResponse | None = None
         started = time.perf_counter()
@@ -228,6 +279,7 @@ class Proxy:
                 return self._failed(worker, "malformed", f"{MALFORMED}: {body[:80]!r}")
             worker.breaker.record_success()
             self.policy.on_first_token(view, wv)
+            self.freed()
             return web.Response(status=upstream.status, body=body, content_type=ctype.split(";")[0],
                                 headers={"X-Request-ID": view.request_id})
         finally:
@@ -236,6 +288,7 @@ class Proxy:
                 upstream.close()  # idempotent after a full read; drops the connection otherwise
             self.count_tokens(outcome, choice)
             self.policy.on_complete(view, wv, outcome)
+            self.freed()
 
     def count_tokens(self, outcome: Outcome, choice: Choice) -> None:
         """Engine-reported prompt and cached tokens, beside what the policy predicted."""
@@ -268,6 +321,7 @@ class Proxy:
         await response.prepare(request)
         self.metrics.ttft_of(view.route).observe(time.perf_counter() - started)
         policy.on_first_token(view, worker.view)
+        self.freed()
         # The last _TAIL_BYTES of the stream, kept as a list trimmed only when it has doubled:
         # re-slicing a 16 KiB tail on every chunk copied ~0.3 MB per 64-chunk stream.
         tail, tail_len = [first], len(first)

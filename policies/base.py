@@ -2,7 +2,10 @@
 
 The gateway builds a ``RequestView`` per request and a ``WorkerView`` per eligible worker,
 calls ``Policy.select`` (plain or ``async``), and reports the request's life back through
-the ``on_*`` hooks. Everything a policy learns about the world comes through these calls,
+the ``on_*`` hooks. ``select`` may answer ``Hold`` instead of a ``Choice`` when the request
+says it ``may_hold``: the gateway then keeps the request and asks again when a routed
+request reaches its first token or finishes (the moments a worker's queue or KV memory
+frees), or after ``Hold.retry_s``. Everything a policy learns about the world comes through these calls,
 so a policy is testable as a pure function over snapshots and swappable at runtime.
 """
 
@@ -63,6 +66,8 @@ class RequestView:
     max_tokens: int | None = None
     cache_salt: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    may_hold: bool = False  # the gateway accepts ``Hold`` for this decision
+    held_s: float = 0.0  # how long the gateway has held this request so far
 
     @property
     def prompt_tokens_estimate(self) -> int:
@@ -79,6 +84,19 @@ class Choice:
 
     worker: WorkerView
     predicted_cached_tokens: int | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Hold:
+    """A policy's answer when no worker can start the request soon (late binding).
+
+    A request sent to a worker now would wait in that worker's queue, bound to it even when
+    another frees first; held at the gateway it goes to whichever worker can start it when
+    one can. The gateway asks again on the next first token or completion anywhere, or
+    after ``retry_s`` at the latest, and stops holding at its ``max_hold_secs``."""
+
+    retry_s: float = 0.5
     reason: str = ""
 
 
@@ -115,7 +133,8 @@ class Policy:
     def __init__(self, **options: Any) -> None:
         self.options = options
 
-    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Awaitable[Choice]:
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold | Awaitable[Choice | Hold]:
+        """The worker for this request; ``Hold`` only when ``request.may_hold``."""
         raise NotImplementedError
 
     # Lifecycle hooks: the defaults do nothing, so simple policies stay simple.

@@ -53,6 +53,11 @@ TTFT in three (median ratio 0.93), with a slightly higher hit rate.
 
 ``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
 minimum, which spreads near-equal choices and keeps the index from tunnelling.
+
+``hold_wait_s`` > 0 turns on late binding (``Hold``, see ``policies.base``): while even the
+best worker's predicted wait (the TTFT less the request's own prefill and loads) exceeds it,
+the request stays at the gateway and is decided again at the next first token or completion,
+until it has been held ``hold_patience`` times its still-predicted wait.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
+from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
 from policies.kv_feed import KvEventFeed
 from policies.tree_budget import TreeBudget
@@ -120,7 +125,8 @@ class Cost(Policy):
                  pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
                  attention_tokens: float = 32_768.0, work_weight: float = 2.0, temperature: float = 0.0,
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
-                 memory: bool = True, tpot_s: float = 0.03, **options) -> None:
+                 memory: bool = True, tpot_s: float = 0.03, hold_wait_s: float = 0.0, hold_patience: float = 1.0,
+                 **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self.host_tps = float(host_load_tokens_per_s)
@@ -135,6 +141,9 @@ class Cost(Policy):
         self.engine_load = engine_load
         self.memory = str(memory).lower() not in ("0", "false", "no", "off")
         self.default_tpot_s = float(tpot_s)
+        self.hold_wait_s = float(hold_wait_s)
+        self.hold_patience = float(hold_patience)
+        self.holds = 0  # decisions answered with Hold
         self._rng = random.Random(None if seed is None else int(seed))
         self.feed: KvEventFeed | None = None
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
@@ -166,7 +175,9 @@ class Cost(Policy):
     def predict(self, request: RequestView, workers: Sequence[WorkerView],
                 match: IndexMatch) -> list[tuple[float, float, float]]:
         """(ttft seconds, uncached tokens, cached tokens) per worker, in ``workers`` order."""
-        b = self._backlogs(request, workers, match)
+        return self._predict(self._backlogs(request, workers, match))
+
+    def _predict(self, b: _Backlogs) -> list[tuple[float, float, float]]:
         out = [(base + b.full, b.prompt, 0.0) for base in b.bases]
         for url, (i, tiers, state) in b.held.items():
             out[i] = self._hit_cost(url, tiers, b, *state)
@@ -291,7 +302,7 @@ class Cost(Policy):
         """``predict`` over what the index knows of these workers right now."""
         return self.predict(request, workers, self._match(request, workers))
 
-    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
+    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
         match = self._match(request, workers)
         if self.temperature > 0 and len(workers) > 1:
@@ -313,11 +324,13 @@ class Cost(Policy):
                     best, cost = score, hit
             elif score < best:
                 best, cost = score, hit
-        return self.commit(request, workers[best[1]], *cost)
+        return self._decide(request, workers[best[1]], cost, b)
 
-    def _select_scored(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> Choice:
+    def _select_scored(self, request: RequestView, workers: Sequence[WorkerView],
+                       match: IndexMatch) -> Choice | Hold:
         """Score every worker: softmax sampling with a ``temperature``, else the first minimum."""
-        costs = self.predict(request, workers, match)
+        b = self._backlogs(request, workers, match)
+        costs = self._predict(b)
         scores = self.scores(costs)
         best = min(scores)
         if self.temperature > 0 and len(workers) > 1:
@@ -325,7 +338,35 @@ class Cost(Policy):
             i = self._rng.choices(range(len(workers)), weights)[0]
         else:
             i = scores.index(best)  # first of equals
-        return self.commit(request, workers[i], *costs[i])
+        return self._decide(request, workers[i], costs[i], b)
+
+    def delay(self, worker: WorkerView, cost: tuple[float, float, float], b: _Backlogs) -> float:
+        """The part of a predicted TTFT spent not working on this request: its queue and KV
+        wait (and the decode steps it shares), i.e. the TTFT less its own prefill and loads."""
+        ttft, uncached, cached = cost
+        own = self.prefill_tokens(uncached, cached) / self.prefill_tps
+        hit = b.held.get(worker.url)
+        if hit is not None and cached:
+            _, host, pool = hit[1]
+            own += host / self.host_tps + pool / self.pool_tps
+        return ttft - own
+
+    def _decide(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
+                b: _Backlogs) -> Choice | Hold:
+        """Commit to the best worker, or hold the request at the gateway (late binding) while
+        even the best one would keep it waiting more than ``hold_wait_s``.
+
+        Held, it is decided again whenever a routed request reaches its first token or ends,
+        so it goes wherever room frees first rather than where the prediction said room
+        would be; and a long prompt that does not fit yet blocks no engine queue. A request
+        held as long as it is still predicted to wait stops chasing and is committed, so a
+        long prompt is not overtaken forever by short ones that fit sooner."""
+        if request.may_hold and self.hold_wait_s > 0:
+            delay = self.delay(chosen, cost, b)
+            if delay > self.hold_wait_s and request.held_s < self.hold_patience * delay:
+                self.holds += 1
+                return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
+        return self.commit(request, chosen, *cost)
 
     def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
                cached: float) -> Choice:
@@ -432,6 +473,7 @@ class Cost(Policy):
         out["decoding_requests"] = float(sum(b.decoding for b in self._book.values()))
         out["booked_kv_tokens"] = sum(b.kv for b in self._book.values())
         out["output_share"] = self._out_ratio
+        out["holds"] = float(self.holds)
         if self.feed is not None:
             out.update(self.feed.stats())
         return out

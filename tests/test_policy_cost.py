@@ -244,3 +244,57 @@ def test_select_takes_the_lowest_score_of_predict(data):
     scores = policy.scores(policy.predict(probe, ws, index.match(probe, ws)))
     chosen = policy.select(probe, ws)
     assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
+
+
+def _hold_setup(**kw) -> tuple[Cost, list[WorkerView], list[RequestView]]:
+    """Two workers, each with ~2 s of prefill queued (50k tokens at 25k tokens/s)."""
+    policy = Cost(attention_tokens=0, decode_cost_s=0.0, hold_wait_s=0.5, **kw)
+    ws = workers(2)
+    booked = []
+    for i, w in enumerate(ws):
+        req = RequestView(f"busy{i}", "/generate", token_ids=list(range(i * 100_000, i * 100_000 + 50_000)))
+        policy.on_routed(req, w)
+        booked.append(req)
+    return policy, ws, booked
+
+
+def test_hold_when_every_worker_would_keep_the_request_waiting():
+    """Late binding: with every worker's queue longer than ``hold_wait_s`` the request is
+    held (nothing booked for it), and it is routed once a queue drains."""
+    from policies.base import Hold
+
+    policy, ws, booked = _hold_setup()
+    req = RequestView("r", "/generate", text=PROMPT, may_hold=True)
+    held = policy.select(req, ws)
+    assert isinstance(held, Hold) and 0.05 <= held.retry_s <= 1.0 and "wait" in held.reason
+    stats = policy.stats()
+    assert stats["holds"] == 1 and stats["queued_prefill_tokens"] == 100_000  # nothing booked for `r`
+    assert not policy._picked and policy.index.match(req, ws).hits == {}  # no speculative index entry
+    # The gateway may not hold it (a retry, or past max_hold_secs): the policy must choose.
+    assert policy.select(RequestView("r2", "/generate", text=PROMPT), ws).worker in ws
+    # Worker 1's prefill reaches its first token: its queue is free, so the held request goes there.
+    policy.on_first_token(booked[1], ws[1])
+    choice = policy.select(req, ws)
+    assert not isinstance(choice, Hold) and choice.worker.url == ws[1].url
+
+
+def test_a_held_request_stops_chasing_once_it_has_waited_as_long_as_it_would_wait():
+    """A request held as long as its predicted wait is committed to the best worker, so a
+    long prompt is not overtaken forever by short ones that fit sooner."""
+    from policies.base import Hold
+
+    for patience, held_s, holds in ((1.0, 1.0, True), (1.0, 2.5, False), (2.0, 2.5, True), (0.0, 0.0, False)):
+        policy, ws, _ = _hold_setup(hold_patience=patience)
+        req = RequestView("r", "/generate", text=PROMPT, may_hold=True, held_s=held_s)
+        assert isinstance(policy.select(req, ws), Hold) is holds, (patience, held_s)
+
+
+def test_hold_is_off_by_default_and_below_the_threshold():
+    from policies.base import Hold
+
+    policy, ws, _ = _hold_setup()
+    policy.hold_wait_s = 0.0
+    assert not isinstance(policy.select(RequestView("a", "/generate", text=PROMPT, may_hold=True), ws), Hold)
+    policy, ws, _ = _hold_setup()
+    policy.hold_wait_s = 3.0  # the 2 s queues are short enough
+    assert not isinstance(policy.select(RequestView("b", "/generate", text=PROMPT, may_hold=True), ws), Hold)

@@ -1,0 +1,179 @@
+"""Late binding: a policy answers ``Hold`` and the gateway keeps the request until a
+worker can start it (real gateway, real simulated workers, real HTTP on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from tests.conftest import MODEL
+from tests.support import ROOT, get_text, metric_value, request_json
+
+PLUGIN = textwrap.dedent('''
+    from policies import Choice, Hold, Policy
+
+    class AlwaysHold(Policy):
+        """Holds every request for as long as the gateway allows, then takes the first worker."""
+        name = "always_hold"
+
+        def select(self, request, workers):
+            if request.may_hold:
+                return Hold(retry_s=0.1, reason="testing the cap")
+            return Choice(workers[0], reason=f"held {request.held_s:.2f}s")
+
+    class OneAtATime(Policy):
+        """Holds while any worker has a request in flight; only an event can wake it early."""
+        name = "one_at_a_time"
+
+        def select(self, request, workers):
+            if request.may_hold and any(w.in_flight for w in workers):
+                return Hold(retry_s=60.0, reason="busy")
+            return Choice(workers[0], reason="idle")
+
+    class IgnoresMayHold(Policy):
+        """A broken plugin: holds even when told it may not."""
+        name = "ignores_may_hold"
+
+        def select(self, request, workers):
+            return Hold(retry_s=0.1)
+''')
+
+
+@pytest.fixture
+def plugin_env(tmp_path):
+    pkg = tmp_path / "hold_plugins"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(PLUGIN)
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+
+
+def _complete(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> None:
+    t0 = time.monotonic()
+    out[key] = request_json("POST", url + "/v1/completions",
+                            {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+                            timeout=60)
+    out[key + "_s"] = time.monotonic() - t0
+
+
+def test_cost_holds_a_request_that_does_not_fit_until_memory_frees(start_sim, start_gateway):
+    """Two prompts that do not both fit in the worker's KV pool: the second is held at the
+    gateway (not queued in the engine) and sent as soon as the first finishes."""
+    sim = start_sim("--time-scale", "10", "--max-total-tokens", "6000")
+    gw = start_gateway(sim.url, args=("--policy", "cost", "--tokenizer", "byte", "--max-hold-secs", "20",
+                                      "--policy-option", "hold_wait_s=0.05"))
+    out = _two_in_a_row(gw.url)
+    assert out["a"][0] == 200 and out["b"][0] == 200, out
+    metrics = get_text(gw.url + "/metrics")
+    assert metric_value(metrics, "kvgate_held_total") == 1
+    held_s = metric_value(metrics, "kvgate_hold_seconds_sum")
+    # Released by the first request's completion (~200 tokens at time-scale 10), long before the cap.
+    assert 0.05 < held_s < 10, held_s
+    assert metric_value(metrics, "kvgate_held_requests") == 0
+    assert metric_value(metrics, "kvgate_policy_stat", stat="booked_kv_tokens") == 0
+
+
+def _two_in_a_row(gw_url: str) -> dict:
+    """A long request, and a short one sent once the first is routed."""
+    out: dict = {}
+    first = threading.Thread(target=_complete, args=(gw_url, "a" * 3500, 200, out, "a"))
+    first.start()
+    deadline = time.monotonic() + 10
+    while metric_value(get_text(gw_url + "/metrics"), "kvgate_routed_total") < 1:
+        assert time.monotonic() < deadline, "the first request was never routed"
+        time.sleep(0.02)
+    _complete(gw_url, "b" * 3500, 20, out, "b")
+    first.join(30)
+    return out
+
+
+def test_a_finished_request_wakes_the_held_ones(start_sim, start_gateway, plugin_env):
+    """The held request asks to be retried in 60 s and may be held 20 s: only the first
+    request's completion can release it sooner."""
+    sim = start_sim("--time-scale", "10")
+    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:OneAtATime", "--max-hold-secs", "20"),
+                       env=plugin_env)
+    out = _two_in_a_row(gw.url)
+    assert out["a"][0] == 200 and out["b"][0] == 200, out
+    metrics = get_text(gw.url + "/metrics")
+    assert metric_value(metrics, "kvgate_held_total") == 1
+    assert 0.0 < metric_value(metrics, "kvgate_hold_seconds_sum") < 10
+    assert out["b_s"] < 10, out
+
+
+def test_a_hold_ends_at_max_hold_secs_and_the_policy_must_choose(start_sim, start_gateway, plugin_env):
+    sim = start_sim("--time-scale", "20")
+    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:AlwaysHold", "--max-hold-secs", "0.6"),
+                       env=plugin_env)
+    out: dict = {}
+    _complete(gw.url, "hello", 2, out, "r")
+    assert out["r"][0] == 200 and out["r_s"] >= 0.6, out
+    metrics = get_text(gw.url + "/metrics")
+    assert metric_value(metrics, "kvgate_held_total") == 1
+    assert 0.6 <= metric_value(metrics, "kvgate_hold_seconds_sum") < 5
+    assert metric_value(metrics, "kvgate_routed_total", worker=sim.url) == 1
+
+
+def test_a_client_that_leaves_while_held_is_never_sent_upstream(start_sim, start_gateway, plugin_env):
+    sim = start_sim("--time-scale", "20")
+    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:AlwaysHold", "--max-hold-secs", "30"),
+                       env=plugin_env)
+    host = urllib.parse.urlsplit(gw.url)
+    body = f'{{"model": "{MODEL}", "prompt": "bye", "max_tokens": 2}}'.encode()
+    with socket.create_connection((host.hostname, host.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while metric_value(get_text(gw.url + "/metrics"), "kvgate_held_requests") < 1:
+            assert time.monotonic() < deadline, "the request was never held"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while metric_value(metrics := get_text(gw.url + "/metrics"), "kvgate_held_requests") > 0:
+        assert time.monotonic() < deadline, "the held request outlived its client"
+        time.sleep(0.05)
+    assert metric_value(metrics, "kvgate_routed_total") == 0
+    status, _ = request_json("GET", gw.url + "/v1/models")
+    assert status == 200
+
+
+def test_a_policy_that_holds_when_told_not_to_gets_a_clear_error(start_sim, start_gateway, plugin_env):
+    sim = start_sim("--time-scale", "20")
+    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:IgnoresMayHold", "--max-hold-secs", "0"),
+                       env=plugin_env)
+    status, body = request_json("POST", gw.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert status == 500 and body["error"]["code"] == "policy_error", body
+    assert "told not to hold" in body["error"]["message"]
+    status, _ = request_json("GET", gw.url + "/v1/models")
+    assert status == 200
+
+
+def test_pd_pairs_are_held_and_chosen_together(plugin_env):
+    """In PD mode the prefill policy holds; the pair is chosen when it lets go."""
+    pytest.importorskip("mooncake.engine", reason="PD needs the Mooncake transfer engine (pip extra 'mooncake')")
+    from tests.conftest import _start_gateway, _start_sim
+    from tests.support import free_port
+
+    procs: list = []
+    try:
+        port = free_port()
+        prefill = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "prefill",
+                             "--disaggregation-bootstrap-port", str(port), name="prefill")
+        decode = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "decode", name="decode")
+        gw = _start_gateway(procs, args=("--pd-disaggregation", "--prefill", prefill.url, str(port),
+                                         "--decode", decode.url, "--policy", "hold_plugins:AlwaysHold",
+                                         "--max-hold-secs", "0.5"), env=plugin_env)
+        status, data = request_json("POST", gw.url + "/generate",
+                                    {"text": "held pair", "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and data["meta_info"]["completion_tokens"] == 2, data
+        metrics = get_text(gw.url + "/metrics")
+        assert metric_value(metrics, "kvgate_held_total") == 1
+        assert metric_value(metrics, "kvgate_hold_seconds_sum") >= 0.5
+        assert metric_value(metrics, "kvgate_routed_total") == 2  # one prefill and one decode attempt
+    finally:
+        for p in procs:
+            p.stop()
