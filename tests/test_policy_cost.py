@@ -289,7 +289,7 @@ def test_a_held_request_stops_chasing_once_it_has_waited_as_long_as_it_would_wai
         assert isinstance(policy.select(req, ws), Hold) is holds, (patience, held_s)
 
 
-def test_hold_is_off_by_default_and_below_the_threshold():
+def test_no_hold_when_off_or_below_the_threshold():
     from policies.base import Hold
 
     policy, ws, _ = _hold_setup()
