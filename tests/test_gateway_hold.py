@@ -177,3 +177,31 @@ def test_pd_pairs_are_held_and_chosen_together(plugin_env):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_the_hold_room_wakes_the_oldest_first_and_forgets_the_ones_that_left():
+    import asyncio
+
+    from gateway.hold import HoldRoom
+
+    async def main() -> list[str]:
+        room, order = HoldRoom(max_hold_s=10), []
+
+        async def held(name: str, timeout: float) -> None:
+            await room.wait(timeout)
+            order.append(name)
+
+        tasks = [asyncio.create_task(held(n, 5)) for n in ("first", "second", "third")]
+        gone = asyncio.create_task(held("gone", 5))
+        await asyncio.sleep(0.01)
+        assert room.held == 4
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert room.held == 3  # a cancelled waiter (its client left) is not kept
+        room.notify()
+        await asyncio.gather(*tasks)
+        assert room.held == 0
+        await held("timer", 0.05)  # nothing notifies: the timeout ends the wait
+        return order
+
+    assert asyncio.run(main()) == ["first", "second", "third", "timer"]
