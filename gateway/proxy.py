@@ -199,7 +199,7 @@ class Proxy:
         for attempt in range(self.max_retries + 1):
             try:
                 choice = await decide()
-                if type(choice) is not Choice:
+                if isinstance(choice, Hold):
                     choice = await self.hold(view, choice, decide)
             except NoWorkerAvailable:
                 break
