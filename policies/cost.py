@@ -364,12 +364,17 @@ class Cost(Policy):
         would be; and a long prompt that does not fit yet blocks no engine queue. A request
         held as long as it is still predicted to wait stops chasing and is committed, so a
         long prompt is not overtaken forever by short ones that fit sooner."""
+        return self.hold(request, chosen, cost, b) or self.commit(request, chosen, *cost)
+
+    def hold(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
+             b: _Backlogs) -> Hold | None:
+        """``Hold`` while the chosen worker's predicted wait exceeds ``hold_wait_s`` (see ``_decide``)."""
         if request.may_hold and self.hold_wait_s > 0:
             delay = self.delay(chosen, cost, b)
             if delay > self.hold_wait_s and request.held_s < self.hold_patience * delay:
                 self.holds += 1
                 return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
-        return self.commit(request, chosen, *cost)
+        return None
 
     def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
                cached: float) -> Choice:

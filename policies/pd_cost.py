@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.base import Choice, RequestView, WorkerView, require_workers
+from policies.base import Choice, Hold, RequestView, WorkerView, require_workers
 from policies.cost import Cost
 
 
@@ -45,11 +45,12 @@ class PDCost(Cost):
         return prompt_tokens * self.kv_bytes_per_token / bw
 
     def select_pair(self, request: RequestView, prefills: Sequence[WorkerView],
-                    decodes: Sequence[WorkerView]) -> tuple[Choice, Choice]:
+                    decodes: Sequence[WorkerView]) -> tuple[Choice, Choice] | Hold:
         require_workers(prefills)
         require_workers(decodes)
         prompt = float(request.prompt_tokens_estimate)
-        costs = self.costs(request, prefills)
+        b = self._backlogs(request, prefills, self._match(request, prefills))
+        costs = self._predict(b)
         waits = [self.decode_wait(d) for d in decodes]
         best: tuple[float, int, int] | None = None
         for i, p in enumerate(prefills):
@@ -59,6 +60,9 @@ class PDCost(Cost):
                     best = (total, i, j)
         assert best is not None
         total, i, j = best
+        held = self.hold(request, prefills[i], costs[i], b)  # the prefill's queue, as in ``cost``
+        if held is not None:
+            return held
         prefill_choice = self.commit(request, prefills[i], *costs[i])
         prefill_choice.reason = f"pair {total * 1000:.1f}ms"
         return prefill_choice, Choice(decodes[j], reason=f"pair {total * 1000:.1f}ms")

@@ -63,3 +63,23 @@ def test_a_prefill_worker_holds_the_prompt_kv_only_until_the_transfer():
     assert policy.costs(probe, [prefill])[0][0] < before
     policy.on_complete(req, prefill, Outcome(ok=True, completion_tokens=4000))
     assert policy.stats()["booked_kv_tokens"] == 0
+
+
+def test_a_pair_is_held_while_every_prefill_is_busy():
+    from policies.base import Hold
+
+    policy = load_policy("pd_cost", index="approx", attention_tokens=0)
+    prefills = [view("http://10.0.0.1:30000", "prefill"), view("http://10.0.0.2:30000", "prefill")]
+    decodes = [view("http://10.0.0.1:30001", "decode")]
+    busy = []
+    for i, p in enumerate(prefills):  # ~2 s of prefill queued on each (50k tokens at 25k/s)
+        r = RequestView(f"busy{i}", "/generate", token_ids=list(range(i * 100_000, i * 100_000 + 50_000)))
+        policy.on_routed(r, p)
+        busy.append(r)
+    held = policy.select_pair(RequestView("h", "/generate", text="hold me " * 100, may_hold=True), prefills, decodes)
+    assert isinstance(held, Hold) and policy.stats()["holds"] == 1
+    p, d = policy.select_pair(RequestView("n", "/generate", text="hold me " * 100), prefills, decodes)
+    assert p.worker in prefills and d.worker is decodes[0]  # may not hold: the pair is chosen
+    policy.on_first_token(busy[0], prefills[0])  # prefill 0's queue drains
+    p, _ = policy.select_pair(RequestView("h", "/generate", text="hold me " * 100, may_hold=True), prefills, decodes)
+    assert p.worker is prefills[0]
