@@ -29,8 +29,8 @@ class PDCost(Cost):
     name = "pd_cost"
 
     def __init__(self, kv_bytes_per_token: float = 131072, same_host_bytes_per_s: float = 150e9,
-                 cross_host_bytes_per_s: float = 25e9, **options) -> None:
-        super().__init__(**options)
+                 cross_host_bytes_per_s: float = 25e9, hold_wait_s: float = 0.0, **options) -> None:
+        super().__init__(hold_wait_s=hold_wait_s, **options)
         self.kv_bytes_per_token = float(kv_bytes_per_token)
         self.same_host_bps = float(same_host_bytes_per_s)
         self.cross_host_bps = float(cross_host_bytes_per_s)

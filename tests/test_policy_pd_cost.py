@@ -65,10 +65,11 @@ def test_a_prefill_worker_holds_the_prompt_kv_only_until_the_transfer():
     assert policy.stats()["booked_kv_tokens"] == 0
 
 
-def test_a_pair_is_held_while_every_prefill_is_busy():
+def test_a_pair_is_held_while_every_prefill_is_busy_when_asked():
     from policies.base import Hold
 
-    policy = load_policy("pd_cost", index="approx", attention_tokens=0)
+    assert load_policy("pd_cost").hold_wait_s == 0  # off by default (bench/RESULTS.md, PD section)
+    policy = load_policy("pd_cost", index="approx", attention_tokens=0, hold_wait_s=0.1)
     prefills = [view("http://10.0.0.1:30000", "prefill"), view("http://10.0.0.2:30000", "prefill")]
     decodes = [view("http://10.0.0.1:30001", "decode")]
     busy = []
