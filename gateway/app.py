@@ -82,7 +82,8 @@ class GatewayState:
         self.registry.listeners.append(self._on_worker_event)
         if cfg.pd_disaggregation:
             self.proxy = PDProxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                                 cfg.max_hold_secs, prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"])
+                                 cfg.max_hold_secs, prefill_policy=self.policies["prefill"],
+                                 decode_policy=self.policies["decode"])
         else:
             self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
                                cfg.max_hold_secs)

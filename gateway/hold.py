@@ -39,9 +39,7 @@ class HoldRoom:
             await asyncio.wait_for(fut, max(timeout, 0.0))
         except asyncio.TimeoutError:
             pass
-        finally:
-            if not fut.done():
-                fut.cancel()
+        finally:  # wait_for cancelled the future on timeout or cancellation
             try:
                 self._waiters.remove(fut)
             except ValueError:  # notify took it already

@@ -26,8 +26,8 @@ import msgspec
 from aiohttp import web
 
 from gateway.errors import GatewayError
-from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, outcome_from_sse_tail, select,
-                           upstream_headers)
+from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, outcome_from_sse_tail, refused_hold,
+                           select, upstream_headers)
 from gateway.request import Body
 from gateway.workers import Worker
 from policies.base import Choice, Hold, NoWorkerAvailable, Outcome, Policy, RequestView
@@ -126,8 +126,7 @@ class PDProxy(Proxy):
         except NoWorkerAvailable:
             return None
         if isinstance(d, Hold):
-            raise GatewayError(500, f"policy {self.decode_policy.name!r} held a request it was told not to hold",
-                               code="policy_error")
+            raise refused_hold(self.decode_policy)
         return p, d
 
     async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: Body | None = None) -> web.StreamResponse:
@@ -136,12 +135,8 @@ class PDProxy(Proxy):
         last_failure: tuple[int, bytes, str] | None = None
         attempts = timeouts = 0
         items = batch_size(body)
-        view.may_hold = self.holds.max_hold_s > 0  # a first attempt only, as in Proxy.forward
         for attempt in range(self.max_retries + 1):
-            pair = await self._pair(view, tried)
-            if isinstance(pair, Hold):
-                pair = await self.hold(view, pair, lambda: self._pair(view, tried))
-            view.may_hold = False
+            pair = await self.choose(view, lambda: self._pair(view, tried), first=not attempt)
             if pair is None:
                 break
             p_choice, d_choice = pair

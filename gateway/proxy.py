@@ -126,6 +126,11 @@ def _kind(exc: BaseException, otherwise: str) -> str:
     return "timeout" if isinstance(exc, asyncio.TimeoutError) else otherwise
 
 
+def refused_hold(policy: Policy) -> GatewayError:
+    """A policy answered ``Hold`` to a request that may not be held: a plugin bug."""
+    return GatewayError(500, f"policy {policy.name!r} held a request it was told not to hold", code="policy_error")
+
+
 async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
     """``Policy.select`` may be plain or async; a plain ``Choice`` skips ``inspect.isawaitable``."""
     choice = policy.select(view, workers)
@@ -144,6 +149,16 @@ class Proxy:
         self.max_retries = max_retries
         self.holds = HoldRoom(max_hold_s)
 
+    async def choose(self, view: RequestView, decide: Callable[[], Awaitable[T | Hold]], first: bool) -> T:
+        """``decide()``, holding the request while it answers ``Hold``. Only a first attempt
+        may be held: a retry has waited already."""
+        view.may_hold = first and self.holds.max_hold_s > 0
+        result = await decide()
+        if isinstance(result, Hold):
+            return await self.hold(view, result, decide)
+        view.may_hold = False
+        return result
+
     async def hold(self, view: RequestView, held: Hold, decide: Callable[[], Awaitable[T | Hold]]) -> T:
         """Keep a held request until ``decide()`` answers something other than ``Hold``.
 
@@ -151,8 +166,7 @@ class Proxy:
         after the policy's ``retry_s``; past ``max_hold_s`` the request no longer
         ``may_hold`` and the policy must choose."""
         if not view.may_hold:
-            raise GatewayError(500, f"policy {self.policy.name!r} held a request it was told not to hold",
-                               code="policy_error")
+            raise refused_hold(self.policy)
         room, start = self.holds, time.monotonic()
         self.metrics.held.inc()
         try:
@@ -182,7 +196,6 @@ class Proxy:
         tried: list[str] = []
         timed_out: list[str] = []  # never worth a second try: the engine is stuck, not unlucky
         last_failure: tuple[int, bytes, str] | None = None
-        view.may_hold = self.holds.max_hold_s > 0  # a first attempt only: a retry has waited already
 
         def candidates() -> list[Worker]:
             # Prefer workers not tried yet; when every one was, any available one (a fault
@@ -198,12 +211,9 @@ class Proxy:
 
         for attempt in range(self.max_retries + 1):
             try:
-                choice = await decide()
-                if isinstance(choice, Hold):
-                    choice = await self.hold(view, choice, decide)
+                choice = await self.choose(view, decide, first=not attempt)
             except NoWorkerAvailable:
                 break
-            view.may_hold = False
             worker = self.registry.workers.get(choice.worker.url)
             if worker is None:
                 raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")

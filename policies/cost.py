@@ -116,7 +116,7 @@ class _Backlogs:
     output: float  # output tokens expected (KV they will hold)
     now: float
     bases: list[float]  # per worker, in order: wait + decode cost with no hit
-    held: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]]  # url -> (position, tiers,
+    hits: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]]  # url -> (position, tiers,
     # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off))
 
 
@@ -182,7 +182,7 @@ class Cost(Policy):
 
     def _predict(self, b: _Backlogs) -> list[tuple[float, float, float]]:
         out = [(base + b.full, b.prompt, 0.0) for base in b.bases]
-        for url, (i, tiers, state) in b.held.items():
+        for url, (i, tiers, state) in b.hits.items():
             out[i] = self._hit_cost(url, tiers, b, *state)
         return out
 
@@ -202,7 +202,7 @@ class Cost(Policy):
         scale = 1.0
         if hits and match.unit != "tokens":
             scale = prompt / match.query_len if match.query_len else 0.0
-        held: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
+        hit_at: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
         bases: list[float] = []
         # This runs once per worker (64 in bench/decision_cost.py), so each operation in it
         # costs a few us a decision: hence comparisons instead of max(), and the KV wait
@@ -230,9 +230,9 @@ class Cost(Policy):
                     capacity = w.server_info.get("max_total_num_tokens") or 0
             else:
                 capacity = 0
-            if hits and url in hits and url not in held:
+            if hits and url in hits and url not in hit_at:
                 t = hits[url]
-                held[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)),
+                hit_at[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)),
                              (wait, decode, kv, capacity))
             if capacity and kv + need > capacity and live_get(url):
                 over = self.memory_wait(url, kv + need - capacity, now, wait)
@@ -240,7 +240,7 @@ class Cost(Policy):
                     wait = over
             bases.append(wait + decode)
         full = self.prefill_tokens(prompt, 0.0) * inv_prefill
-        return _Backlogs(prompt, full, output, now, bases, held)
+        return _Backlogs(prompt, full, output, now, bases, hit_at)
 
     def _hit_cost(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
                   capacity: float) -> tuple[float, float, float]:
@@ -317,7 +317,7 @@ class Cost(Policy):
         i = bases.index(min(bases))
         cost = (bases[i] + b.full, b.prompt, 0.0)
         miss = best = (self._score(cost), i)
-        for url, (j, tiers, state) in b.held.items():
+        for url, (j, tiers, state) in b.hits.items():
             hit = self._hit_cost(url, tiers, b, *state)
             score = (self._score(hit), j)
             if j == i:
@@ -348,7 +348,7 @@ class Cost(Policy):
         wait (and the decode steps it shares), i.e. the TTFT less its own prefill and loads."""
         ttft, uncached, cached = cost
         own = self.prefill_tokens(uncached, cached) / self.prefill_tps
-        hit = b.held.get(worker.url)
+        hit = b.hits.get(worker.url)
         if hit is not None and cached:
             _, host, pool = hit[1]
             own += host / self.host_tps + pool / self.pool_tps
@@ -356,19 +356,18 @@ class Cost(Policy):
 
     def _decide(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
                 b: _Backlogs) -> Choice | Hold:
-        """Commit to the best worker, or hold the request at the gateway (late binding) while
-        even the best one would keep it waiting more than ``hold_wait_s``.
+        return self.hold(request, chosen, cost, b) or self.commit(request, chosen, *cost)
+
+    def hold(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
+             b: _Backlogs) -> Hold | None:
+        """``Hold`` (late binding) while even the best worker, ``chosen``, would keep the
+        request waiting more than ``hold_wait_s``; None to commit.
 
         Held, it is decided again whenever a routed request reaches its first token or ends,
         so it goes wherever room frees first rather than where the prediction said room
         would be; and a long prompt that does not fit yet blocks no engine queue. A request
         held as long as it is still predicted to wait stops chasing and is committed, so a
         long prompt is not overtaken forever by short ones that fit sooner."""
-        return self.hold(request, chosen, cost, b) or self.commit(request, chosen, *cost)
-
-    def hold(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
-             b: _Backlogs) -> Hold | None:
-        """``Hold`` while the chosen worker's predicted wait exceeds ``hold_wait_s`` (see ``_decide``)."""
         if request.may_hold and self.hold_wait_s > 0:
             delay = self.delay(chosen, cost, b)
             if delay > self.hold_wait_s and request.held_s < self.hold_patience * delay:

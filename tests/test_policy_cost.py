@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import EngineLoad, Outcome, RequestView, WorkerView
+from policies.base import EngineLoad, Hold, Outcome, RequestView, WorkerView
 from policies.block_index import BlockIndex
 from policies.cost import Cost
 from policies.loader import load_policy
@@ -261,8 +261,6 @@ def _hold_setup(**kw) -> tuple[Cost, list[WorkerView], list[RequestView]]:
 def test_hold_when_every_worker_would_keep_the_request_waiting():
     """Late binding: with every worker's queue longer than ``hold_wait_s`` the request is
     held (nothing booked for it), and it is routed once a queue drains."""
-    from policies.base import Hold
-
     policy, ws, booked = _hold_setup()
     req = RequestView("r", "/generate", text=PROMPT, may_hold=True)
     held = policy.select(req, ws)
@@ -281,8 +279,6 @@ def test_hold_when_every_worker_would_keep_the_request_waiting():
 def test_a_held_request_stops_chasing_once_it_has_waited_as_long_as_it_would_wait():
     """A request held as long as its predicted wait is committed to the best worker, so a
     long prompt is not overtaken forever by short ones that fit sooner."""
-    from policies.base import Hold
-
     for patience, held_s, holds in ((1.0, 1.0, True), (1.0, 2.5, False), (2.0, 2.5, True), (0.0, 0.0, False)):
         policy, ws, _ = _hold_setup(hold_patience=patience)
         req = RequestView("r", "/generate", text=PROMPT, may_hold=True, held_s=held_s)
@@ -290,8 +286,6 @@ def test_a_held_request_stops_chasing_once_it_has_waited_as_long_as_it_would_wai
 
 
 def test_no_hold_when_off_or_below_the_threshold():
-    from policies.base import Hold
-
     policy, ws, _ = _hold_setup()
     policy.hold_wait_s = 0.0
     assert not isinstance(policy.select(RequestView("a", "/generate", text=PROMPT, may_hold=True), ws), Hold)
