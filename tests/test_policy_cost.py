@@ -47,8 +47,12 @@ def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
         big = RequestView(f"big{i}", "/generate", token_ids=list(range(i * 10_000, i * 10_000 + 5000)))
         policy.select(big, [first.worker])
         policy.on_routed(big, first.worker)
+    assert policy.stats()["diverted"] == 0
     moved = policy.select(text_req("c", PROMPT + " other"), ws)
     assert moved.worker.url != first.worker.url
+    # The hit it left behind is counted: one decision, the ~1000 cached tokens.
+    assert policy.stats()["diverted"] == 1
+    assert 990 <= policy.stats()["diverted_tokens"] <= 1001
     assert policy.stats()["queued_prefill_tokens"] >= 15_000
     # Completion frees the backlog.
     for i in range(3):
