@@ -206,6 +206,7 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "predicted_cached_tokens": p.get("hit_predicted_tokens_total"),
         "verified_cached_tokens": p.get("hit_actual_tokens_total"),
         "held": p.get("kvgate_held_total"), "hold_s_total": p.get("kvgate_hold_seconds_sum"),
+        "diverted": p.get("diverted"), "diverted_tokens": p.get("diverted_tokens"),
         "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()
                       if k.startswith("decisions_")},
     }
