@@ -22,6 +22,8 @@ COLUMNS = [  # (header, key, format)
     ("hit", "hit_rate", "{:.3f}"),
     ("/oracle", "hit_vs_oracle", "{:.2f}"),
     ("/bounded", "hit_vs_bounded", "{:.2f}"),
+    ("lost: diverted", "lost_diverted", "{:.3f}"),
+    ("evicted", "lost_evicted", "{:.3f}"),
     ("TTFT mean", "ttft_mean_s", "{:.3f}"),
     ("p50", "ttft_p50_s", "{:.3f}"),
     ("p99", "ttft_p99_s", "{:.3f}"),
@@ -198,6 +200,8 @@ def section(meta: dict, rows: list[dict], notes: str = "") -> str:
         f"p50 {s['ttft_floor_p50_s']:.3f} s, p99 {s['ttft_floor_p99_s']:.3f} s: the trace's longest prompts "
         "(up to ~120k tokens) bound p99 TTFT from below whatever the router does.",
         "- Columns: hit = cached/prompt tokens as the engines report them; /oracle and /bounded its ratio to those oracles; "
+        "lost = reusable prompt tokens the engines did not reuse, as shares of all prompt tokens (bench.hit_loss): "
+        "diverted = served away from every worker the prefix had been sent to, evicted = served where it had been; "
         "TTFT/TPOT in simulated seconds; wait = TTFT minus the request's own prefill time on an idle GPU with the "
         "cache it got (time spent queued: what routing controls); max/mean over workers of requests, prompt tokens and prefilled (uncached) tokens "
         "from the workers' /metrics; drift = kvgate hit verification's share of predicted cached tokens that the engine "

@@ -34,6 +34,7 @@ from simulator.cluster import SimCluster
 from simulator.cost_model import CostModel
 from simulator.profiles import get_profile
 
+from . import hit_loss
 from .replay import ReplayResult, replay, summarize
 from .services import Service, http_get, start_kvgate, start_sglang_router
 from .trace import TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
@@ -126,7 +127,10 @@ def offered_load(records: list[TraceRecord], profile: str, workers: int, arrival
 def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, out: Path) -> dict:
     logs = out / "logs" / spec.label.replace(":", "_").replace("[", "_").replace("]", "").replace(",", "_")
     logs.mkdir(parents=True, exist_ok=True)
-    engine_args = ["--profile", a.profile, "--time-scale", str(a.time_scale), *a.engine_arg]
+    # One log line per request on every engine: which worker served it and what it reused
+    # (bench.hit_loss splits the lost hits into diverted and evicted from them).
+    engine_args = ["--profile", a.profile, "--time-scale", str(a.time_scale), "--log-requests",
+                   *(x for x in a.engine_arg if x != "--log-requests")]
     t0 = time.monotonic()
     with SimCluster(workers=a.workers, engine_args=engine_args, kv_events=True, log_dir=str(logs),
                     startup_timeout=90) as cluster:
@@ -150,7 +154,7 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
             router.stop()
         dead = cluster.dead()
     return {"spec": spec, "result": res, "workers": workers, "policy_stats": pstats, "dead": dead,
-            "run_wall_s": time.monotonic() - t0}
+            "run_wall_s": time.monotonic() - t0, "hit_loss": hit_loss.split(records, hit_loss.served(logs))}
 
 
 def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> dict:
@@ -207,6 +211,8 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "verified_cached_tokens": p.get("hit_actual_tokens_total"),
         "held": p.get("kvgate_held_total"), "hold_s_total": p.get("kvgate_hold_seconds_sum"),
         "diverted": p.get("diverted"), "diverted_tokens": p.get("diverted_tokens"),
+        "lost_diverted": run["hit_loss"].get("diverted"), "lost_evicted": run["hit_loss"].get("evicted"),
+        "requests_diverted": run["hit_loss"].get("requests_diverted"),
         "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()
                       if k.startswith("decisions_")},
     }

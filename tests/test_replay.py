@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+from bench.hit_loss import served, split
 from bench.replay import main as replay_main
 from bench.replay import replay
 from bench.trace import TraceRecord, bounded_oracle_hit_rate, expand, load_trace, oracle_hit_rate
@@ -35,6 +36,27 @@ def test_oracle_hit_rates():
     real = load_trace(TRACE, 500)
     inf = oracle_hit_rate(real)
     assert 0 < bounded_oracle_hit_rate(real, 200_000) <= inf < 1
+
+
+
+def test_hit_loss_splits_lost_hits_into_diverted_and_evicted(tmp_path):
+    recs = [TraceRecord(0, 1024, 1, [1, 2]), TraceRecord(1, 1024, 1, [1, 2]),
+            TraceRecord(2, 1024, 1, [1, 2]), TraceRecord(3, 1024, 1, [1, 3])]
+    # Engine logs as the simulator writes them with --log-requests, one file per worker.
+    (tmp_path / "unified-0-1.log").write_text(
+        "x rid=replay-0-5 prompt=1024 cached=0 (device 0) ttft=0.1\n"
+        "x rid=replay-1-6 prompt=1024 cached=448 (device 448) ttft=0.1\n")  # stayed, lost 512 of 960
+    (tmp_path / "unified-1-2.log").write_text(
+        "x rid=replay-2-7 prompt=1024 cached=0 ttft=0.1\n"  # went elsewhere: 960 diverted
+        "x rid=replay-3-8 prompt=1024 cached=512 ttft=0.1\n")  # block 1 is held there: a full hit
+    (tmp_path / "router.log").write_text("rid=replay-0-1 prompt=1 cached=1\n")  # not an engine
+    got = served(tmp_path)
+    assert got == {0: ("unified-0-1", 0), 1: ("unified-0-1", 448), 2: ("unified-1-2", 0), 3: ("unified-1-2", 512)}
+    s = split(recs, got, page_size=64)
+    assert s["hit"] == 960 / 4096
+    assert s["evicted"] == 512 / 4096 and s["diverted"] == 960 / 4096 and s["requests_diverted"] == 1
+    # Every reusable token is either reused or lost one of the two ways.
+    assert s["hit"] + s["evicted"] + s["diverted"] == oracle_hit_rate(recs, page_size=64)
 
 
 def test_replay_against_simulator(tmp_path):
