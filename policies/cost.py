@@ -362,20 +362,7 @@ class Cost(Policy):
 
     def _decide(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
                 b: _Backlogs) -> Choice | Hold:
-        held = self.hold(request, chosen, cost, b)
-        if held is not None:
-            return held
-        self.count_diverted(cost[2], b)
-        return self.commit(request, chosen, *cost)
-
-    def count_diverted(self, cached: float, b: _Backlogs) -> None:
-        """Count a commit that leaves ``cached`` tokens of a longer prefix elsewhere unused: the
-        hit given up for a shorter wait, the one number that says what balance costs in hits."""
-        if b.hits:
-            best = min(max(t.total for _, t, _ in b.hits.values()), b.prompt)
-            if best > cached:
-                self.diverted += 1
-                self.diverted_tokens += best - cached
+        return self.hold(request, chosen, cost, b) or self.commit(request, chosen, cost, b)
 
     def hold(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
              b: _Backlogs) -> Hold | None:
@@ -394,9 +381,17 @@ class Cost(Policy):
                 return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
         return None
 
-    def commit(self, request: RequestView, chosen: WorkerView, ttft: float, uncached: float,
-               cached: float) -> Choice:
-        """Book the choice: speculative index entries, expected hit, queued prefill work."""
+    def commit(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
+               b: _Backlogs) -> Choice:
+        """Book the choice: speculative index entries, expected hit, queued prefill work; and
+        count it as ``diverted`` when another worker holds more of the prompt (the hit given
+        up for a shorter wait: the one number that says what balance costs in hits)."""
+        ttft, uncached, cached = cost
+        if b.hits:
+            best = min(max(t.total for _, t, _ in b.hits.values()), b.prompt)
+            if best > cached:
+                self.diverted += 1
+                self.diverted_tokens += best - cached
         self.index.record(request, chosen)
         self._picked[request.request_id] = (chosen.url, self.prefill_tokens(uncached, cached))
         if len(self._picked) > 100_000:

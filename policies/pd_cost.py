@@ -63,7 +63,6 @@ class PDCost(Cost):
         held = self.hold(request, prefills[i], costs[i], b)  # the prefill's queue, as in ``cost``
         if held is not None:
             return held
-        self.count_diverted(costs[i][2], b)
-        prefill_choice = self.commit(request, prefills[i], *costs[i])
+        prefill_choice = self.commit(request, prefills[i], costs[i], b)
         prefill_choice.reason = f"pair {total * 1000:.1f}ms"
         return prefill_choice, Choice(decodes[j], reason=f"pair {total * 1000:.1f}ms")
