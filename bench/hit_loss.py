@@ -19,14 +19,14 @@ evictions for diversions. Both are shares of all prompt tokens, like the hit rat
 routing. Joined by the replay's ``rid`` (``replay-N-...``), which both kvgate and
 sglang-router pass through to the engine.
 
-    python -m bench.hit_loss bench/out/quality/logs/kvgate_cost [--limit 800]
+    python -m bench.hit_loss LOG_DIR_OR_FILES... [--limit 800]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from .trace import BLOCK, DEFAULT_TRACE, TraceRecord, _block_spans, _engine_cap, load_trace
@@ -34,13 +34,14 @@ from .trace import BLOCK, DEFAULT_TRACE, TraceRecord, _block_spans, _engine_cap,
 _LINE = re.compile(r"rid=replay-(\d+)-\S* prompt=(\d+) cached=(\d+)")
 
 
-def served(log_dir: str | Path) -> dict[int, tuple[str, int]]:
-    """Trace index -> (worker log, cached tokens), from every engine log in ``log_dir``
-    (the simulator started with ``--log-requests``; the gateway's own log is skipped)."""
+def served(logs: str | Path | Iterable[Path]) -> dict[int, tuple[str, int]]:
+    """Trace index -> (worker log, cached tokens), from the engines' request logs (the
+    simulator started with ``--log-requests``): the given files, or every engine log in a
+    directory (the gateway's own ``router.log`` skipped)."""
+    if isinstance(logs, (str, Path)):
+        logs = [p for p in sorted(Path(logs).glob("*.log")) if p.name != "router.log"]
     out: dict[int, tuple[str, int]] = {}
-    for path in sorted(Path(log_dir).glob("*.log")):
-        if path.name == "router.log":
-            continue
+    for path in logs:
         with open(path, errors="replace") as f:
             for line in f:
                 m = _LINE.search(line)
@@ -92,13 +93,14 @@ def split(records: Sequence[TraceRecord], by_index: Mapping[int, tuple[str, int]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("log_dir", help="one run's logs: the engines' request logs (simulator --log-requests)")
+    p.add_argument("logs", nargs="+", help="one run's engine request logs (simulator --log-requests), "
+                   "or the directory holding only that run's")
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=800, help="first N requests of the trace, as replayed")
     a = p.parse_args(argv)
-    got = served(a.log_dir)
+    got = served(a.logs[0] if len(a.logs) == 1 and Path(a.logs[0]).is_dir() else map(Path, a.logs))
     if not got:
-        print(f"no engine request lines in {a.log_dir} (start the simulators with --log-requests)")
+        print(f"no engine request lines in {' '.join(a.logs)} (start the simulators with --log-requests)")
         return 1
     s = split(load_trace(a.trace, a.limit), got)
     print(f"{len(got)} requests: hit {s['hit']:.4f}, lost diverted {s['diverted']:.4f} "

@@ -153,8 +153,9 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
         finally:
             router.stop()
         dead = cluster.dead()
+        engine_logs = cluster.log_paths  # this run's only: repetitions share the directory
     return {"spec": spec, "result": res, "workers": workers, "policy_stats": pstats, "dead": dead,
-            "run_wall_s": time.monotonic() - t0, "hit_loss": hit_loss.split(records, hit_loss.served(logs))}
+            "run_wall_s": time.monotonic() - t0, "hit_loss": hit_loss.split(records, hit_loss.served(engine_logs))}
 
 
 def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> dict:

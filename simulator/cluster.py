@@ -244,6 +244,11 @@ class SimCluster:
     def all_urls(self) -> list[str]:
         return [w.url for w in self._workers]
 
+    @property
+    def log_paths(self) -> list[Path]:
+        """This cluster's worker logs (a shared ``log_dir`` may hold earlier clusters' too)."""
+        return [w.log_path for w in self._workers]
+
     def __enter__(self) -> "SimCluster":
         return self.start()
 

@@ -51,6 +51,7 @@ def test_hit_loss_splits_lost_hits_into_diverted_and_evicted(tmp_path):
         "x rid=replay-3-8 prompt=1024 cached=512 ttft=0.1\n")  # block 1 is held there: a full hit
     (tmp_path / "router.log").write_text("rid=replay-0-1 prompt=1 cached=1\n")  # not an engine
     got = served(tmp_path)
+    assert served([tmp_path / "unified-1-2.log"]) == {2: ("unified-1-2", 0), 3: ("unified-1-2", 512)}
     assert got == {0: ("unified-0-1", 0), 1: ("unified-0-1", 448), 2: ("unified-1-2", 0), 3: ("unified-1-2", 512)}
     s = split(recs, got, page_size=64)
     assert s["hit"] == 960 / 4096
