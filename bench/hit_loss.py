@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from .trace import BLOCK, DEFAULT_TRACE, TraceRecord, _block_spans, _engine_cap, load_trace
+from .trace import BLOCK, DEFAULT_TRACE, TraceRecord, block_spans, engine_cap, load_trace
 
 _LINE = re.compile(r"rid=replay-(\d+)-\S* prompt=(\d+) cached=(\d+)")
 
@@ -63,7 +63,7 @@ def split(records: Sequence[TraceRecord], by_index: Mapping[int, tuple[str, int]
             continue
         worker, cached = got
         reusable, where = 0, None
-        for h, length in _block_spans(r, block_size):  # longest prefix some worker was given
+        for h, length in block_spans(r, block_size):  # longest prefix some worker was given
             held = holders.get(h)
             if not held:
                 break
@@ -72,7 +72,7 @@ def split(records: Sequence[TraceRecord], by_index: Mapping[int, tuple[str, int]
             where = [w for w, n in held.items() if n >= step]
             if step < length:
                 break
-        reusable = _engine_cap(reusable, r.input_length, page_size)
+        reusable = engine_cap(reusable, r.input_length, page_size)
         lost = max(reusable - cached, 0)
         if lost and where is not None and worker not in where:
             diverted += lost
@@ -81,7 +81,7 @@ def split(records: Sequence[TraceRecord], by_index: Mapping[int, tuple[str, int]
             evicted += lost
         total += r.input_length
         hit += cached
-        for h, length in _block_spans(r, block_size):
+        for h, length in block_spans(r, block_size):
             held = holders.setdefault(h, {})
             if held.get(worker, 0) < length:
                 held[worker] = length

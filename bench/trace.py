@@ -72,7 +72,7 @@ def expand(record: TraceRecord, block_size: int = BLOCK) -> str:
     return text[:n]
 
 
-def _block_spans(record: TraceRecord, block_size: int) -> Iterable[tuple[int, int]]:
+def block_spans(record: TraceRecord, block_size: int) -> Iterable[tuple[int, int]]:
     for i, h in enumerate(record.hash_ids):
         length = min(block_size, record.input_length - i * block_size)
         if length <= 0:
@@ -80,7 +80,7 @@ def _block_spans(record: TraceRecord, block_size: int) -> Iterable[tuple[int, in
         yield h, length
 
 
-def _engine_cap(hit: int, input_length: int, page_size: int) -> int:
+def engine_cap(hit: int, input_length: int, page_size: int) -> int:
     """SGLang matches whole pages and always recomputes at least the last token."""
     limit = ((input_length - 1) // page_size) * page_size
     return min((hit // page_size) * page_size, limit)
@@ -93,14 +93,14 @@ def oracle_hit_rate(records: Sequence[TraceRecord], page_size: int = 64, block_s
     for r in records:
         h_tokens = 0
         prefix_ok = True
-        for h, length in _block_spans(r, block_size):
+        for h, length in block_spans(r, block_size):
             if prefix_ok:
                 s = seen.get(h, 0)
                 h_tokens += min(s, length)
                 prefix_ok = s >= length
             if seen.get(h, 0) < length:
                 seen[h] = length
-        hit += _engine_cap(h_tokens, r.input_length, page_size)
+        hit += engine_cap(h_tokens, r.input_length, page_size)
         total += r.input_length
     return hit / total if total else 0.0
 
@@ -113,7 +113,7 @@ def bounded_oracle_hit_rate(records: Sequence[TraceRecord], capacity_tokens: int
     for r in records:
         h_tokens = 0
         prefix_ok = True
-        for h, length in _block_spans(r, block_size):
+        for h, length in block_spans(r, block_size):
             s = lru.get(h, 0)
             if prefix_ok:
                 h_tokens += min(s, length)
@@ -126,6 +126,6 @@ def bounded_oracle_hit_rate(records: Sequence[TraceRecord], capacity_tokens: int
         while used > capacity_tokens and lru:
             _, length = lru.popitem(last=False)
             used -= length
-        hit += _engine_cap(h_tokens, r.input_length, page_size)
+        hit += engine_cap(h_tokens, r.input_length, page_size)
         total += r.input_length
     return hit / total if total else 0.0
