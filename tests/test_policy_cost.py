@@ -79,6 +79,22 @@ def test_a_burst_of_identical_prompts_spreads_by_booked_work(weight, suffix):
     assert len(landed) == 4  # a cache hit is not worth an unbounded queue
 
 
+def test_the_default_work_weight_bounds_a_herd_on_one_prefix():
+    """The default charges a miss several times the prefill it adds, so a burst sharing
+    one prefix stays on its warm worker a while, but only until that worker's queue is
+    worth more than the prefills it saves: then the prefix spreads, and the burst ends
+    balanced."""
+    policy = Cost()
+    ws = workers(4)
+    landed = Counter()
+    for i in range(80):
+        req = text_req(f"r{i}", PROMPT + f"{i:04d}" * 500)
+        choice = policy.select(req, ws)
+        policy.on_routed(req, choice.worker)
+        landed[choice.worker.url] += 1
+    assert len(landed) == 4 and max(landed.values()) <= 2 * 80 / 4, landed
+
+
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
     policy = Cost(decode_cost_s=0.01)
     busy = WorkerView("http://127.0.0.1:8100", load=EngineLoad(running=50, waiting=0))
