@@ -47,14 +47,14 @@ The choice minimises ``ttft + work_weight * prefill(uncached)``: a miss is charg
 prefill it adds to the fleet (the wait of whoever queues behind it), not only for its own
 wait, so a warm worker keeps a conversation unless its queue really costs more. Greedy
 own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS.md,
-"Routing quality"). The default, 8, charges that work eight times: under load, prefill
-saved is fleet capacity, and a prefix duplicated on a second worker takes KV pool room
-that evicts someone else's. On the Mooncake trace, raising it from 2 to 12 raised the hit
-rate steadily (0.82 to ~0.90 of the capacity-bounded oracle at 8) while mean and p99 TTFT
-stayed within the run-to-run noise. The price: a burst sharing one prefix queues on its
-warm worker until that queue is worth ~9 prefills of the prefix, then spreads (bounded in
-tests/test_policy_cost.py), even while other workers sit idle: the weight does not know
-the fleet's load (a load-aware weight is the next step; bench/quality_notes.md).
+"Routing quality"). The default, 12, charges that work twelve times: under load, prefill
+saved is fleet capacity, and a prefix duplicated on a second worker takes KV pool room that
+evicts someone else's. On the Mooncake trace, raising it from 2 to 12 raised the hit rate
+steadily (0.82 to 0.91 of the capacity-bounded oracle, pooled medians) while mean and p99
+TTFT stayed within the run-to-run noise. The price: a burst sharing one prefix queues on
+its warm worker until that queue is worth ~13 prefills of the prefix, then spreads
+(bounded in tests/test_policy_cost.py), even while other workers sit idle: the weight does
+not know the fleet's load (a load-aware weight is the next step; bench/quality_notes.md).
 Stats ``diverted`` and ``diverted_tokens`` count the decisions that still sent a request
 away from the worker holding more of its prompt, and the cached tokens so given up: on
 the Mooncake trace, mostly follow-ups whose warm worker was seconds deep in a long
@@ -135,7 +135,7 @@ class Cost(Policy):
 
     def __init__(self, prefill_tokens_per_s: float = 25_000.0, host_load_tokens_per_s: float = 190_000.0,
                  pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
-                 attention_tokens: float = 32_768.0, work_weight: float = 8.0, temperature: float = 0.0,
+                 attention_tokens: float = 32_768.0, work_weight: float = 12.0, temperature: float = 0.0,
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
                  memory: bool = True, tpot_s: float = 0.03, hold_wait_s: float = 0.1, hold_patience: float = 3.0,
                  **options) -> None:
