@@ -50,7 +50,7 @@ own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS
 "Routing quality"). The default, 12, charges that work twelve times: under load, prefill
 saved is fleet capacity, and a prefix duplicated on a second worker takes KV pool room that
 evicts someone else's. On the Mooncake trace, raising it from 2 to 12 raised the hit rate
-steadily (0.82 to 0.91 of the capacity-bounded oracle, pooled medians) while mean and p99
+steadily (0.82 to 0.92 of the capacity-bounded oracle, pooled medians) while mean and p99
 TTFT stayed within the run-to-run noise. The price: a burst sharing one prefix queues on
 its warm worker until that queue is worth ~13 prefills of the prefix, then spreads
 (bounded in tests/test_policy_cost.py), even while other workers sit idle: the weight does

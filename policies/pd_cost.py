@@ -60,9 +60,8 @@ class PDCost(Cost):
                     best = (total, i, j)
         assert best is not None
         total, i, j = best
-        held = self.hold(request, prefills[i], costs[i], b)  # the prefill's queue, as in ``cost``
-        if held is not None:
-            return held
-        prefill_choice = self.commit(request, prefills[i], costs[i], b)
+        prefill_choice = self._decide(request, prefills[i], costs[i], b)  # held on the prefill's queue, as in ``cost``
+        if isinstance(prefill_choice, Hold):
+            return prefill_choice
         prefill_choice.reason = f"pair {total * 1000:.1f}ms"
         return prefill_choice, Choice(decodes[j], reason=f"pair {total * 1000:.1f}ms")
