@@ -51,10 +51,12 @@ own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS
 saved is fleet capacity, and a prefix duplicated on a second worker takes KV pool room that
 evicts someone else's. On the Mooncake trace, raising it from 2 to 12 raised the hit rate
 steadily (0.82 to 0.92 of the capacity-bounded oracle, pooled medians) while mean and p99
-TTFT stayed within the run-to-run noise. The price: a burst sharing one prefix queues on
-its warm worker until that queue is worth ~13 prefills of the prefix, then spreads
-(bounded in tests/test_policy_cost.py), even while other workers sit idle: the weight does
-not know the fleet's load (a load-aware weight is the next step; bench/quality_notes.md).
+TTFT stayed within the run-to-run noise. That weight is for a loaded fleet, so it scales
+with load (``load_aware``, see ``Cost.weight``): rho / (1 - rho) for the share rho of
+workers with prefill queued, at most ``work_weight``. Blind to load, a burst sharing one
+prefix queued on its warm worker until that queue was worth ~13 prefills of the prefix,
+while other workers sat idle; now it spreads over them. Stat ``work_weight``: the weight
+the last decision charged.
 Stats ``diverted`` and ``diverted_tokens`` count the decisions that still sent a request
 away from the worker holding more of its prompt, and the cached tokens so given up: on
 the Mooncake trace, mostly follow-ups whose warm worker was seconds deep in a long
@@ -63,10 +65,10 @@ prompt's prefill.
 ``temperature`` (seconds) > 0 samples with softmax over -ttft instead of taking the
 minimum, which spreads near-equal choices and keeps the index from tunnelling.
 
-Late binding (``Hold``, see ``policies.base``): while even the best worker's predicted wait
-(the TTFT less the request's own prefill and loads) exceeds ``hold_wait_s`` (0.1 s; 0 turns
-it off), the request stays at the gateway and is decided again at the next first token or
-completion, until it has been held ``hold_patience`` (3) times its still-predicted wait. On
+Late binding (``Hold``, see ``policies.base``): while the best worker's predicted wait (the
+TTFT less the request's own prefill and loads) and every other worker's exceed
+``hold_wait_s`` (0.1 s; 0 turns it off), the request stays at the gateway and is decided
+again at the next first token or completion, until it has been held ``hold_patience`` (3) times its still-predicted wait. On
 the Mooncake trace it cut mean TTFT by ~10% against committing at once (bench/RESULTS.md,
 "Routing quality"): under a burst the predicted KV waits are where the error is, and a held
 request goes wherever room actually frees first.
@@ -125,6 +127,7 @@ class _Backlogs:
     output: float  # output tokens expected (KV they will hold)
     now: float
     bases: list[float]  # per worker, in order: wait + decode cost with no hit
+    weight: float  # the work weight this decision charges (``Cost.weight``)
     hits: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]]  # url -> (position, tiers,
     # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off))
 
@@ -138,7 +141,7 @@ class Cost(Policy):
                  attention_tokens: float = 32_768.0, work_weight: float = 12.0, temperature: float = 0.0,
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
                  memory: bool = True, tpot_s: float = 0.03, hold_wait_s: float = 0.1, hold_patience: float = 3.0,
-                 **options) -> None:
+                 load_aware: bool = True, **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self.host_tps = float(host_load_tokens_per_s)
@@ -146,6 +149,7 @@ class Cost(Policy):
         self.decode_cost_s = float(decode_cost_s)
         self.inv_attention = 1.0 / float(attention_tokens) if float(attention_tokens) > 0 else 0.0
         self.work_weight = float(work_weight)
+        self.load_aware = str(load_aware).lower() not in ("0", "false", "no", "off")
         self.temperature = float(temperature)
         engine_load = "off" if engine_load is False else str(engine_load)  # YAML reads "off" as false
         if engine_load not in ("drain", "max", "off"):
@@ -156,6 +160,7 @@ class Cost(Policy):
         self.hold_wait_s = float(hold_wait_s)
         self.hold_patience = float(hold_patience)
         self.holds = 0  # decisions answered with Hold
+        self.last_weight = self.work_weight  # the work weight the last decision charged
         self.diverted = 0  # commits that passed over a worker holding more of the prompt
         self.diverted_tokens = 0.0  # the cached tokens those commits gave up
         self._rng = random.Random(None if seed is None else int(seed))
@@ -215,6 +220,7 @@ class Cost(Policy):
             scale = prompt / match.query_len if match.query_len else 0.0
         hit_at: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
         bases: list[float] = []
+        busy = 0
         # This runs once per worker (64 in bench/decision_cost.py), so each operation in it
         # costs a few us a decision: hence comparisons instead of max(), and the KV wait
         # priced only where this gateway has requests booked (none: nothing to wait for).
@@ -249,9 +255,29 @@ class Cost(Policy):
                 over = self.memory_wait(url, kv + need - capacity, now, wait)
                 if over > wait:
                     wait = over
+            if wait > 0.0:
+                busy += 1
             bases.append(wait + decode)
         full = self.prefill_tokens(prompt, 0.0) * inv_prefill
-        return _Backlogs(prompt, full, output, now, bases, hit_at)
+        self.last_weight = weight = self.weight(busy, len(bases))
+        return _Backlogs(prompt, full, output, now, bases, weight, hit_at)
+
+    def weight(self, busy: int, workers: int) -> float:
+        """The work weight for a fleet where ``busy`` of ``workers`` have prefill (or a KV
+        wait) queued: rho / (1 - rho) for rho = busy / workers, at most ``work_weight``
+        (``load_aware`` false: always ``work_weight``).
+
+        Work added to a queue delays the requests that arrive behind it before it drains,
+        and in a single queue at utilisation rho that is rho / (1 - rho) of them on average;
+        the busy share is the fleet's rho as the router sees it. So with most workers idle a
+        miss costs nobody else, and a burst sharing one prefix spreads over the idle workers
+        instead of queueing on its warm worker until that queue is worth ``work_weight``
+        prefills of the prefix; on a saturated fleet (on the Mooncake trace, 8 of 8 workers
+        busy at 87% of decisions and 7 of 8 at 8%) the weight is ``work_weight``, which also
+        stands for the KV room a duplicated prefix takes in a contended pool."""
+        if not self.load_aware or busy >= workers:
+            return self.work_weight
+        return min(self.work_weight, busy / (workers - busy))
 
     def _hit_cost(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
                   capacity: float) -> tuple[float, float, float]:
@@ -290,19 +316,26 @@ class Cost(Policy):
                 break
         return max(end - now, 0.0)
 
-    def _score(self, cost: tuple[float, float, float]) -> float:
-        """What the choice minimises: the TTFT, plus (``work_weight``) the prefill work a
-        miss adds to the fleet."""
-        return self.scores([cost])[0]
+    def _score(self, cost: tuple[float, float, float], weight: float) -> float:
+        """What the choice minimises: the TTFT, plus (``weight``, see ``weight``) the prefill
+        work a miss adds to the fleet."""
+        return self.scores([cost], weight)[0]
 
-    def scores(self, costs: Sequence[tuple[float, float, float]]) -> list[float]:
+    def scores(self, costs: Sequence[tuple[float, float, float]], weight: float) -> list[float]:
         """``_score`` over every worker in one comprehension (a method call per worker cost
         as much as the whole prediction with 64 workers)."""
-        if not self.work_weight:
+        if not weight:
             return [ttft for ttft, _, _ in costs]
-        k, inv_attention = self.work_weight / self.prefill_tps, self.inv_attention
+        k, inv_attention = weight / self.prefill_tps, self.inv_attention
         return [ttft + k * uncached * (1.0 + (cached + uncached / 2.0) * inv_attention)
                 for ttft, uncached, cached in costs]
+
+    def scored(self, request: RequestView, workers: Sequence[WorkerView],
+               match: IndexMatch) -> tuple[list[tuple[float, float, float]], list[float]]:
+        """``predict`` and each worker's score, the quantity ``select`` minimises."""
+        b = self._backlogs(request, workers, match)
+        costs = self._predict(b)
+        return costs, self.scores(costs, b.weight)
 
     def _match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         """What the index knows of these workers right now."""
@@ -327,10 +360,10 @@ class Cost(Policy):
         bases = b.bases
         i = bases.index(min(bases))
         cost = (bases[i] + b.full, b.prompt, 0.0)
-        miss = best = (self._score(cost), i)
+        miss = best = (self._score(cost, b.weight), i)
         for url, (j, tiers, state) in b.hits.items():
             hit = self._hit_cost(url, tiers, b, *state)
-            score = (self._score(hit), j)
+            score = (self._score(hit, b.weight), j)
             if j == i:
                 if score > miss:  # a hit priced above a miss (a slow pool): no shortcut
                     return self._select_scored(request, workers, match)
@@ -345,7 +378,7 @@ class Cost(Policy):
         """Score every worker: softmax sampling with a ``temperature``, else the first minimum."""
         b = self._backlogs(request, workers, match)
         costs = self._predict(b)
-        scores = self.scores(costs)
+        scores = self.scores(costs, b.weight)
         best = min(scores)
         if self.temperature > 0 and len(workers) > 1:
             weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]
@@ -371,17 +404,22 @@ class Cost(Policy):
 
     def hold(self, request: RequestView, chosen: WorkerView, cost: tuple[float, float, float],
              b: _Backlogs) -> Hold | None:
-        """``Hold`` (late binding) while even the best worker, ``chosen``, would keep the
-        request waiting more than ``hold_wait_s``; None to commit.
+        """``Hold`` (late binding) while the best worker, ``chosen``, would keep the request
+        waiting more than ``hold_wait_s`` and so would every other; None to commit.
 
         Held, it is decided again whenever a routed request reaches its first token or ends,
         so it goes wherever room frees first rather than where the prediction said room
         would be; and a long prompt that does not fit yet blocks no engine queue. A request
         held as long as it is still predicted to wait stops chasing and is committed, so a
-        long prompt is not overtaken forever by short ones that fit sooner."""
+        long prompt is not overtaken forever by short ones that fit sooner.
+
+        Not while some worker could start it at once: a held request books nothing, so a
+        burst held for the one worker that holds its prefix would not see itself queue
+        there, and would reach that worker one first token at a time while others idle."""
         if request.may_hold and self.hold_wait_s > 0:
             delay = self.delay(chosen, cost, b)
-            if delay > self.hold_wait_s and request.held_s < self.hold_patience * delay:
+            if (delay > self.hold_wait_s and request.held_s < self.hold_patience * delay
+                    and min(b.bases) > self.hold_wait_s):
                 self.holds += 1
                 return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
         return None
@@ -500,6 +538,7 @@ class Cost(Policy):
         out["booked_kv_tokens"] = sum(b.kv for b in self._book.values())
         out["output_share"] = self._out_ratio
         out["holds"] = float(self.holds)
+        out["work_weight"] = self.last_weight
         out["diverted"] = float(self.diverted)
         out["diverted_tokens"] = self.diverted_tokens
         if self.feed is not None:

@@ -55,7 +55,7 @@ class PDCost(Cost):
         best: tuple[float, int, int] | None = None
         for i, p in enumerate(prefills):
             for j, d in enumerate(decodes):
-                total = self._score(costs[i]) + self.transfer_s(prompt, p, d) + waits[j]
+                total = self._score(costs[i], b.weight) + self.transfer_s(prompt, p, d) + waits[j]
                 if best is None or total < best[0]:
                     best = (total, i, j)
         assert best is not None

@@ -95,6 +95,32 @@ def test_the_default_work_weight_bounds_a_herd_on_one_prefix():
     assert len(landed) == 4 and max(landed.values()) <= 2 * 80 / 4, landed
 
 
+@pytest.mark.parametrize("others_busy, load_aware, stays", [
+    (False, True, False),  # idle fleet: little weight, the request takes an idle worker
+    (False, False, True),  # load-blind weight: the hit is worth the queue
+    (True, True, True),  # every worker busy: the full weight, the hit is worth the queue
+])
+def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(others_busy, load_aware, stays):
+    """A miss's extra prefill costs the fleet only where requests queue behind it. The warm
+    worker here has ~0.8 s of prefill queued (5 prefills of the shared ~4000-token prefix):
+    with the other seven idle a miss there hurts nobody and is ~0.2 s; with all of them
+    busy it is charged ``work_weight`` times over, and the warm worker keeps the request."""
+    policy = Cost(load_aware=load_aware)
+    ws = workers(8)
+    prefix = "context " * 2000
+    first = text_req("first", prefix + "question one")
+    home = policy.select(first, ws).worker
+    policy.on_routed(first, home)
+    policy.on_first_token(first, home)
+    _book(policy, home, "queue", 20_000, 10_000_000)
+    if others_busy:
+        for i, w in enumerate(w for w in ws if w is not home):
+            _book(policy, w, f"other{i}", 10_000, 20_000_000 + i * 100_000)
+    again = policy.select(text_req("again", prefix + "question two"), ws)
+    assert (again.worker.url == home.url) is stays
+    assert policy.stats()["diverted"] == (0 if stays else 1)
+
+
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
     policy = Cost(decode_cost_s=0.01)
     busy = WorkerView("http://127.0.0.1:8100", load=EngineLoad(running=50, waiting=0))
@@ -261,7 +287,7 @@ def test_select_takes_the_lowest_score_of_predict(data):
             if data.draw(st.booleans()):
                 policy.on_first_token(booked, w)
     probe = RequestView("probe", "/generate", token_ids=prompt, max_tokens=100)
-    scores = policy.scores(policy.predict(probe, ws, index.match(probe, ws)))
+    _, scores = policy.scored(probe, ws, index.match(probe, ws))
     chosen = policy.select(probe, ws)
     assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
 
@@ -312,3 +338,21 @@ def test_no_hold_when_off_or_below_the_threshold():
     policy, ws, _ = _hold_setup()
     policy.hold_wait_s = 3.0  # the 2 s queues are short enough
     assert not isinstance(policy.select(RequestView("b", "/generate", text=PROMPT, may_hold=True), ws), Hold)
+
+
+def test_no_hold_while_some_worker_could_start_the_request_at_once():
+    """The worker holding the prompt's prefix has a queue, so it keeps the request waiting,
+    but a third worker is idle: holding would leave a burst on that prefix waiting for its
+    one warm worker, one first token at a time, so the request is committed."""
+    policy, ws, _ = _hold_setup(load_aware=False)
+    idle = WorkerView("http://127.0.0.1:8199")
+    prompt = "context " * 4000  # ~8000 tokens: a miss is 0.32 s, x 13 with the weight
+    warm = RequestView("warm", "/generate", text=prompt)
+    policy.select(warm, [ws[0]])
+    policy.on_routed(warm, ws[0])
+    policy.on_first_token(warm, ws[0])
+    again = RequestView("again", "/generate", text=prompt + "more", may_hold=True)
+    assert isinstance(policy.select(again, ws), Hold)  # both workers queue ~2 s: held
+    choice = policy.select(again, [*ws, idle])
+    assert not isinstance(choice, Hold)
+    assert choice.worker.url == ws[0].url  # the prefix is worth its queue at the full weight

@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+from bench.burst_trace import bursts
 from bench.hit_loss import served, split
 from bench.replay import main as replay_main
 from bench.replay import replay
@@ -37,6 +38,20 @@ def test_oracle_hit_rates():
     inf = oracle_hit_rate(real)
     assert 0 < bounded_oracle_hit_rate(real, 200_000) <= inf < 1
 
+
+
+def test_burst_trace_shares_one_system_prompt_per_burst():
+    recs = bursts(prompts=2, prefix_blocks=3, tail_blocks=2, burst=4, count=3, gap_ms=1000)
+    assert len(recs) == 12 and [r.timestamp for r in recs] == sorted(r.timestamp for r in recs)
+    by_burst = [[r for r in recs if b * 1000 <= r.timestamp < b * 1000 + 1000] for b in range(3)]
+    assert [len(b) for b in by_burst] == [4, 4, 4]
+    # one system prompt per burst, cycling; every tail is the request's own
+    assert [{tuple(r.hash_ids[:3]) for r in b} for b in by_burst] == [{(0, 1, 2)}, {(3, 4, 5)}, {(0, 1, 2)}]
+    tails = [tuple(r.hash_ids[3:]) for r in recs]
+    assert len(set(tails)) == 12 and all(len(t) == 2 for t in tails)
+    assert all(r.input_length == 5 * 512 for r in recs)
+    # the whole prompt but the last partial page is reusable by the burst's later requests
+    assert oracle_hit_rate(recs) > 0.4
 
 
 def test_hit_loss_splits_lost_hits_into_diverted_and_evicted(tmp_path):
