@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -95,16 +96,29 @@ def test_the_default_work_weight_bounds_a_herd_on_one_prefix():
     assert len(landed) == 4 and max(landed.values()) <= 2 * 80 / 4, landed
 
 
+class _SteppingClock:
+    """``time`` for policies.cost whose ``monotonic`` moves ``step`` seconds per call."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 1000.0, step
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+
 @pytest.mark.parametrize("others_busy, load_aware, stays", [
     (False, True, False),  # idle fleet: little weight, the request takes an idle worker
     (False, False, True),  # load-blind weight: the hit is worth the queue
     (True, True, True),  # every worker busy: the full weight, the hit is worth the queue
 ])
-def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(others_busy, load_aware, stays):
+def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(monkeypatch, others_busy, load_aware, stays):
     """A miss's extra prefill costs the fleet only where requests queue behind it. The warm
     worker here has ~0.8 s of prefill queued (5 prefills of the shared ~4000-token prefix):
     with the other seven idle a miss there hurts nobody and is ~0.2 s; with all of them
-    busy it is charged ``work_weight`` times over, and the warm worker keeps the request."""
+    busy it is charged ``work_weight`` times over, and the warm worker keeps the request.
+    (Decisions 10 s apart, past ``load_window_s``: each sees the fleet as it is.)"""
+    monkeypatch.setattr("policies.cost.time", _SteppingClock(10.0))
     policy = Cost(load_aware=load_aware)
     ws = workers(8)
     prefix = "context " * 2000
@@ -119,6 +133,26 @@ def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(others_busy, load
     again = policy.select(text_req("again", prefix + "question two"), ws)
     assert (again.worker.url == home.url) is stays
     assert policy.stats()["diverted"] == (0 if stays else 1)
+    assert policy.stats()["work_weight"] == (12.0 if stays else pytest.approx(1 / 7, rel=1e-3))
+
+
+def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
+    """A burst is decided within milliseconds: it sees the fleet as it was before it came
+    (busy until shown idle), and only time spent idle lowers the weight."""
+    clock = _SteppingClock(0.0)
+    monkeypatch.setattr("policies.cost.time", clock)
+    policy = Cost(load_window_s=1.0)
+    ws = workers(4)
+    for i in range(3):  # at one instant: no time has passed, the share stays where it was
+        policy.select(text_req(f"r{i}"), ws)
+        assert policy.stats()["busy_share"] == 1.0 and policy.stats()["work_weight"] == 12.0
+    clock.now += 1.0  # a second of an idle fleet: 1/e of the old share remains
+    policy.select(text_req("later"), ws)
+    assert policy.stats()["busy_share"] == pytest.approx(math.exp(-1.0))
+    assert policy.stats()["work_weight"] == pytest.approx(math.exp(-1.0) / (1 - math.exp(-1.0)))
+    clock.now += 30.0
+    policy.select(text_req("much later"), ws)
+    assert policy.stats()["busy_share"] < 1e-6 and policy.stats()["work_weight"] < 1e-6
 
 
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
