@@ -81,11 +81,11 @@ def test_a_burst_of_identical_prompts_spreads_by_booked_work(weight, suffix):
 
 
 def test_the_default_work_weight_bounds_a_herd_on_one_prefix():
-    """The default charges a miss several times the prefill it adds, so a burst sharing
-    one prefix stays on its warm worker a while, but only until that worker's queue is
-    worth more than the prefills it saves: then the prefix spreads, and the burst ends
-    balanced."""
-    policy = Cost()
+    """At its full weight (a saturated fleet; here load-blind) the default charges a miss
+    several times the prefill it adds, so a burst sharing one prefix stays on its warm
+    worker a while, but only until that worker's queue is worth more than the prefills it
+    saves: then the prefix spreads, and the burst ends balanced."""
+    policy = Cost(load_aware=False)
     ws = workers(4)
     landed = Counter()
     for i in range(80):
@@ -137,22 +137,25 @@ def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(monkeypatch, othe
 
 
 def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
-    """A burst is decided within milliseconds: it sees the fleet as it was before it came
-    (busy until shown idle), and only time spent idle lowers the weight."""
+    """A burst is decided within milliseconds: it sees the fleet as it was before it came,
+    and the share moves towards what decisions see only as time passes."""
     clock = _SteppingClock(0.0)
     monkeypatch.setattr("policies.cost.time", clock)
     policy = Cost(load_window_s=1.0)
     ws = workers(4)
-    for i in range(3):  # at one instant: no time has passed, the share stays where it was
-        policy.select(text_req(f"r{i}"), ws)
-        assert policy.stats()["busy_share"] == 1.0 and policy.stats()["work_weight"] == 12.0
-    clock.now += 1.0  # a second of an idle fleet: 1/e of the old share remains
+    policy.select(text_req("first"), ws)  # the first decision takes the share it finds
+    assert policy.stats()["busy_share"] == 0.0 and policy.stats()["work_weight"] == 0.0
+    for i, w in enumerate(ws):  # every worker gets a queue, at the same instant
+        _book(policy, w, f"q{i}", 10_000, i * 100_000)
+        assert policy.stats()["busy_share"] == 0.0
+    clock.now += 1.0  # a second later, all four busy: 1 - 1/e of the way there
     policy.select(text_req("later"), ws)
-    assert policy.stats()["busy_share"] == pytest.approx(math.exp(-1.0))
-    assert policy.stats()["work_weight"] == pytest.approx(math.exp(-1.0) / (1 - math.exp(-1.0)))
+    share = 1.0 - math.exp(-1.0)
+    assert policy.stats()["busy_share"] == pytest.approx(share)
+    assert policy.stats()["work_weight"] == pytest.approx(share / (1.0 - share))
     clock.now += 30.0
     policy.select(text_req("much later"), ws)
-    assert policy.stats()["busy_share"] < 1e-6 and policy.stats()["work_weight"] < 1e-6
+    assert policy.stats()["busy_share"] == pytest.approx(1.0) and policy.stats()["work_weight"] == 12.0
 
 
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
@@ -219,7 +222,7 @@ def test_work_weight_keeps_a_conversation_on_its_warm_worker():
     ws = workers(2)
     prompt = "turn one " * 1000  # ~2250 tokens by the text estimate
     for weight, stays in ((0.0, False), (1.0, True)):
-        policy = Cost(work_weight=weight, attention_tokens=0)
+        policy = Cost(work_weight=weight, attention_tokens=0, load_aware=False)
         first = text_req("t1", prompt)
         home = policy.select(first, ws).worker
         policy.on_routed(first, home)
