@@ -142,7 +142,8 @@ class Cost(Policy):
                  attention_tokens: float = 32_768.0, work_weight: float = 12.0, temperature: float = 0.0,
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
                  memory: bool = True, tpot_s: float = 0.03, hold_wait_s: float = 0.1, hold_patience: float = 3.0,
-                 load_aware: bool = True, load_window_s: float = 1.0, **options) -> None:
+                 load_aware: bool = True, load_window_s: float = 1.0, full_weight_busy: float = 0.75,
+                 **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self.host_tps = float(host_load_tokens_per_s)
@@ -152,6 +153,8 @@ class Cost(Policy):
         self.work_weight = float(work_weight)
         self.load_aware = str(load_aware).lower() not in ("0", "false", "no", "off")
         self.load_window_s = float(load_window_s)
+        full = min(max(float(full_weight_busy), 0.0), 0.99)
+        self._full_odds = full / (1.0 - full)  # rho / (1 - rho) where the weight is full
         self.busy_share = 1.0  # the fleet's busy share, averaged (``weight``); the first decision sets it
         self._busy_at: float | None = None
         self.temperature = float(temperature)
@@ -293,7 +296,9 @@ class Cost(Policy):
             self.busy_share = share + (self.busy_share - share) * keep
         self._busy_at = now
         rho = self.busy_share
-        return self.work_weight if rho >= 1.0 else min(self.work_weight, rho / (1.0 - rho))
+        if rho >= 1.0 or not self._full_odds:
+            return self.work_weight
+        return self.work_weight * min(1.0, rho / (1.0 - rho) / self._full_odds)
 
     def _hit_cost(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
                   capacity: float) -> tuple[float, float, float]:

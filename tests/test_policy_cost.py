@@ -133,7 +133,8 @@ def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(monkeypatch, othe
     again = policy.select(text_req("again", prefix + "question two"), ws)
     assert (again.worker.url == home.url) is stays
     assert policy.stats()["diverted"] == (0 if stays else 1)
-    assert policy.stats()["work_weight"] == (12.0 if stays else pytest.approx(1 / 7, rel=1e-3))
+    # idle: a busy share of 1/8 is odds of 1/7, a third of the odds at 3/4 busy (full weight)
+    assert policy.stats()["work_weight"] == (12.0 if stays else pytest.approx(12 * (1 / 7) / 3, rel=1e-3))
 
 
 def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
@@ -152,7 +153,7 @@ def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
     policy.select(text_req("later"), ws)
     share = 1.0 - math.exp(-1.0)
     assert policy.stats()["busy_share"] == pytest.approx(share)
-    assert policy.stats()["work_weight"] == pytest.approx(share / (1.0 - share))
+    assert policy.stats()["work_weight"] == pytest.approx(12 * share / (1.0 - share) / 3)
     clock.now += 30.0
     policy.select(text_req("much later"), ws)
     assert policy.stats()["busy_share"] == pytest.approx(1.0) and policy.stats()["work_weight"] == 12.0
