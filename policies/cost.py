@@ -51,13 +51,12 @@ own-TTFT (``work_weight=0``) gave up hits the fleet then paid for (bench/RESULTS
 saved is fleet capacity, and a prefix duplicated on a second worker takes KV pool room that
 evicts someone else's. On the Mooncake trace, raising it from 2 to 12 raised the hit rate
 steadily (0.82 to 0.92 of the capacity-bounded oracle, pooled medians) while mean and p99
-TTFT stayed within the run-to-run noise. That weight is for a loaded fleet, so it scales
-with load (``load_aware``, see ``Cost.weight``): rho / (1 - rho) for the share rho of
-workers with prefill queued over the last ``load_window_s`` (1 s), at most ``work_weight``.
-Blind to load, a burst sharing one
-prefix queued on its warm worker until that queue was worth ~13 prefills of the prefix,
-while other workers sat idle; now it spreads over them. Stat ``work_weight``: the weight
-the last decision charged.
+TTFT stayed within the run-to-run noise. That weight is for a loaded fleet, so it follows
+load (``load_aware``, see ``Cost.weight``): full from ``full_weight_busy`` (3/4) of the
+workers with prefill queued over the last ``load_window_s`` (1 s), less along
+rho / (1 - rho) below. Blind to load, a burst sharing one prefix queued on its warm worker
+until that queue was worth ~13 prefills of the prefix while other workers sat idle; now it
+spreads over them. Stat ``work_weight``: the weight the last decision charged.
 Stats ``diverted`` and ``diverted_tokens`` count the decisions that still sent a request
 away from the worker holding more of its prompt, and the cached tokens so given up: on
 the Mooncake trace, mostly follow-ups whose warm worker was seconds deep in a long
@@ -271,21 +270,23 @@ class Cost(Policy):
 
     def weight(self, busy: int, workers: int, now: float) -> float:
         """The work weight when ``busy`` of ``workers`` have prefill (or a KV wait) queued:
-        rho / (1 - rho), at most ``work_weight``, for rho the busy share averaged over the
-        last ``load_window_s`` (``load_aware`` false: always ``work_weight``).
+        ``work_weight`` once the busy share rho, averaged over the last ``load_window_s``,
+        reaches ``full_weight_busy`` (0.75), and below it less along rho / (1 - rho)
+        (``load_aware`` false: always ``work_weight``).
 
         Work added to a queue delays the requests that arrive behind it before it drains,
         and in a single queue at utilisation rho that is rho / (1 - rho) of them on average.
         So with most of the fleet idle a miss costs nobody else, and a burst sharing one
         prefix spreads over the idle workers instead of queueing on its warm worker until
-        that queue is worth ``work_weight`` prefills of the prefix. On a saturated fleet the
-        weight is ``work_weight``, which also stands for the KV room a duplicated prefix
-        takes in a contended pool. Averaged, not instantaneous: on the Mooncake trace 8 of 8
-        workers are busy at 87% of decisions, and the weight taken from each decision's own
-        share lost hits (0.112-0.124 vs 0.122-0.128) and ~10% of mean TTFT in the brief
-        dips; a burst arriving after a pause still sees the pause. The first decision takes
-        the share as it finds it: starting from "busy" queued a cold start's first burst on
-        one worker (its mean TTFT 0.83 s against 0.11 s for later bursts, bench.burst_trace)."""
+        that queue is worth ``work_weight`` prefills of the prefix (bench.burst_trace: mean
+        TTFT 0.14 s instead of 0.72 s, as sglang-router's). On a loaded fleet the weight is
+        ``work_weight``, which also stands for the KV room a duplicated prefix takes in a
+        contended pool: the Mooncake trace keeps 8 of 8 workers busy at 87% of decisions,
+        and following rho / (1 - rho) all the way up (no ``full_weight_busy``) cost it ~5% of
+        its hits (0.116-0.119 vs 0.122-0.127, three pairs). Averaged, not each decision's own
+        share: the instantaneous share lost hits too (0.112-0.124), and a burst arriving
+        after a pause still sees the pause. The first decision takes the share as it finds
+        it: starting from "busy" queued a cold start's first burst on one worker."""
         if not self.load_aware or not workers:
             return self.work_weight
         share = busy / workers
