@@ -68,10 +68,10 @@ minimum, which spreads near-equal choices and keeps the index from tunnelling.
 Late binding (``Hold``, see ``policies.base``): while the best worker's predicted wait (the
 TTFT less the request's own prefill and loads) and every other worker's exceed
 ``hold_wait_s`` (0.1 s; 0 turns it off), the request stays at the gateway and is decided
-again at the next first token or completion, until it has been held ``hold_patience`` (3) times its still-predicted wait. On
-the Mooncake trace it cut mean TTFT by ~10% against committing at once (bench/RESULTS.md,
-"Routing quality"): under a burst the predicted KV waits are where the error is, and a held
-request goes wherever room actually frees first.
+again at the next first token or completion, until it has been held ``hold_patience`` (3)
+times its still-predicted wait. On the Mooncake trace it cut mean TTFT by ~10% against
+committing at once (bench/RESULTS.md, "Routing quality"): under a burst the predicted KV
+waits are where the error is, and a held request goes wherever room actually frees first.
 """
 
 from __future__ import annotations
