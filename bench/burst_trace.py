@@ -12,8 +12,8 @@ Each record: ``prefix_blocks`` blocks of one of ``prompts`` system prompts (512 
 each), then ``tail_blocks`` blocks no other request shares; bursts of ``burst`` requests
 every ``gap_ms``, cycling through the prompts.
 
-    python -m bench.burst_trace --out /tmp/bursts.jsonl
-    python -m bench.routing_quality --trace /tmp/bursts.jsonl --arrival-speedup 1 --limit 640 ...
+    python -m bench.burst_trace --out /tmp/bursts.jsonl --count 24
+    python -m bench.routing_quality --trace /tmp/bursts.jsonl --arrival-speedup 2 --limit 384 ...
 """
 
 from __future__ import annotations

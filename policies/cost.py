@@ -355,7 +355,9 @@ class Cost(Policy):
     def scored(self, request: RequestView, workers: Sequence[WorkerView],
                match: IndexMatch) -> tuple[list[tuple[float, float, float]], list[float]]:
         """``predict`` and each worker's score, the quantity ``select`` minimises."""
-        b = self._backlogs(request, workers, match)
+        return self._scored(self._backlogs(request, workers, match))
+
+    def _scored(self, b: _Backlogs) -> tuple[list[tuple[float, float, float]], list[float]]:
         costs = self._predict(b)
         return costs, self.scores(costs, b.weight)
 
@@ -373,12 +375,11 @@ class Cost(Policy):
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
-        match = self._match(request, workers)
+        b = self._backlogs(request, workers, self._match(request, workers))
         if self.temperature > 0 and len(workers) > 1:
-            return self._select_scored(request, workers, match)
+            return self._select_scored(request, workers, b)
         # Every miss adds the same prefill, so the cheapest miss is the least backlog and only
         # the workers holding part of the prompt need pricing one by one.
-        b = self._backlogs(request, workers, match)
         bases = b.bases
         i = bases.index(min(bases))
         cost = (bases[i] + b.full, b.prompt, 0.0)
@@ -388,19 +389,16 @@ class Cost(Policy):
             score = (self._score(hit, b.weight), j)
             if j == i:
                 if score > miss:  # a hit priced above a miss (a slow pool): no shortcut
-                    return self._select_scored(request, workers, match)
+                    return self._select_scored(request, workers, b)
                 if score <= best:  # the same worker: its hit stands for its miss
                     best, cost = score, hit
             elif score < best:
                 best, cost = score, hit
         return self._decide(request, workers[best[1]], cost, b)
 
-    def _select_scored(self, request: RequestView, workers: Sequence[WorkerView],
-                       match: IndexMatch) -> Choice | Hold:
+    def _select_scored(self, request: RequestView, workers: Sequence[WorkerView], b: _Backlogs) -> Choice | Hold:
         """Score every worker: softmax sampling with a ``temperature``, else the first minimum."""
-        b = self._backlogs(request, workers, match)
-        costs = self._predict(b)
-        scores = self.scores(costs, b.weight)
+        costs, scores = self._scored(b)
         best = min(scores)
         if self.temperature > 0 and len(workers) > 1:
             weights = [math.exp(-(sc - best) / self.temperature) for sc in scores]

@@ -50,12 +50,12 @@ class PDCost(Cost):
         require_workers(decodes)
         prompt = float(request.prompt_tokens_estimate)
         b = self._backlogs(request, prefills, self._match(request, prefills))
-        costs = self._predict(b)
+        costs, scores = self._scored(b)
         waits = [self.decode_wait(d) for d in decodes]
         best: tuple[float, int, int] | None = None
         for i, p in enumerate(prefills):
             for j, d in enumerate(decodes):
-                total = self._score(costs[i], b.weight) + self.transfer_s(prompt, p, d) + waits[j]
+                total = scores[i] + self.transfer_s(prompt, p, d) + waits[j]
                 if best is None or total < best[0]:
                     best = (total, i, j)
         assert best is not None
