@@ -82,11 +82,11 @@ class GatewayState:
         self.registry.listeners.append(self._on_worker_event)
         if cfg.pd_disaggregation:
             self.proxy = PDProxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                                 cfg.max_hold_secs, prefill_policy=self.policies["prefill"],
+                                 cfg.max_hold_secs, cfg.hold_wake, prefill_policy=self.policies["prefill"],
                                  decode_policy=self.policies["decode"])
         else:
             self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                               cfg.max_hold_secs)
+                               cfg.max_hold_secs, cfg.hold_wake)
         for role, policy in self.policies.items():
             self.metrics.policy_sources.append((f"{role}:{policy.name}", policy.stats))
         for policy in unique:

@@ -141,13 +141,13 @@ async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView
 
 class Proxy:
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0) -> None:
+                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 4) -> None:
         self.registry = registry
         self.policy = policy
         self.session = session
         self.metrics = metrics
         self.max_retries = max_retries
-        self.holds = HoldRoom(max_hold_s)
+        self.holds = HoldRoom(max_hold_s, hold_wake)
 
     async def choose(self, view: RequestView, decide: Callable[[], Awaitable[T | Hold]], first: bool) -> T:
         """``decide()``, holding the request while it answers ``Hold``. Only a first attempt
@@ -162,9 +162,9 @@ class Proxy:
     async def hold(self, view: RequestView, held: Hold, decide: Callable[[], Awaitable[T | Hold]]) -> T:
         """Keep a held request until ``decide()`` answers something other than ``Hold``.
 
-        It is asked again whenever a routed request reaches its first token or ends, or
-        after the policy's ``retry_s``; past ``max_hold_s`` the request no longer
-        ``may_hold`` and the policy must choose."""
+        It is asked again when a routed request reaches its first token or ends (the
+        oldest few held are, see ``HoldRoom``), or after the policy's ``retry_s``; past
+        ``max_hold_s`` the request no longer ``may_hold`` and the policy must choose."""
         if not view.may_hold:
             raise refused_hold(self.policy)
         room, start = self.holds, time.monotonic()
@@ -172,12 +172,13 @@ class Proxy:
         try:
             while True:
                 left = room.max_hold_s - (time.monotonic() - start)
-                if left > 0:
-                    await room.wait(min(held.retry_s, left))
+                woken = left > 0 and await room.wait(min(held.retry_s, left), start)
                 view.held_s = time.monotonic() - start
                 view.may_hold = view.held_s < room.max_hold_s
                 result = await decide()
                 if not isinstance(result, Hold):
+                    if woken:
+                        room.committed()
                     return result
                 if not view.may_hold:
                     raise GatewayError(500, f"policy {self.policy.name!r} held a request past max_hold_secs",
@@ -188,7 +189,7 @@ class Proxy:
             self.metrics.hold_seconds.observe(time.monotonic() - start)
 
     def freed(self) -> None:
-        """A request reached its first token or ended: held requests are decided again."""
+        """A request reached its first token or ended: the oldest held requests are decided again."""
         if self.holds.held:
             self.holds.notify()
 

@@ -185,23 +185,79 @@ def test_the_hold_room_wakes_the_oldest_first_and_forgets_the_ones_that_left():
     from gateway.hold import HoldRoom
 
     async def main() -> list[str]:
-        room, order = HoldRoom(max_hold_s=10), []
+        room, order = HoldRoom(max_hold_s=10, wake=0), []
 
-        async def held(name: str, timeout: float) -> None:
-            await room.wait(timeout)
+        async def held(name: str, timeout: float, since: float) -> None:
+            await room.wait(timeout, since)
             order.append(name)
 
-        tasks = [asyncio.create_task(held(n, 5)) for n in ("first", "second", "third")]
-        gone = asyncio.create_task(held("gone", 5))
+        # Entered out of order: the place in line is when each was first held.
+        tasks = [asyncio.create_task(held(n, 5, t)) for n, t in (("second", 2.0), ("first", 1.0), ("third", 3.0))]
+        gone = asyncio.create_task(held("gone", 5, 0.5))
         await asyncio.sleep(0.01)
         assert room.held == 4
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
         assert room.held == 3  # a cancelled waiter (its client left) is not kept
-        room.notify()
+        room.notify()  # wake=0: every held request
         await asyncio.gather(*tasks)
         assert room.held == 0
-        await held("timer", 0.05)  # nothing notifies: the timeout ends the wait
+        await held("timer", 0.05, 4.0)  # nothing notifies: the timeout ends the wait
         return order
 
     assert asyncio.run(main()) == ["first", "second", "third", "timer"]
+
+
+def test_an_event_wakes_the_oldest_few_and_each_that_goes_wakes_the_next():
+    """An event decides only ``wake`` held requests again, oldest first, not all of them (each
+    is a policy decision); one that then goes to a worker (``committed``) wakes the next
+    oldest, and one held again keeps its place in line."""
+    import asyncio
+
+    from gateway.hold import HoldRoom
+
+    async def main() -> None:
+        room = HoldRoom(max_hold_s=10, wake=2)
+        woken: list[int] = []
+        goes = {3}  # of those woken, only request 3 finds room; the rest are held again
+
+        async def held(i: int) -> None:
+            while True:
+                if await room.wait(30, float(i)):
+                    woken.append(i)
+                    if i in goes:
+                        room.committed()
+                        return
+
+        tasks = [asyncio.create_task(held(i)) for i in range(6, 0, -1)]
+        await asyncio.sleep(0.01)
+        assert room.held == 6
+        room.notify()
+        await asyncio.sleep(0.01)
+        assert woken == [1, 2] and room.held == 6  # the two oldest, held again
+        goes.add(1)
+        room.notify()
+        await asyncio.sleep(0.01)
+        # 1 goes and wakes 3 (2 is deciding already), 3 goes and wakes the oldest left, 2
+        # again, which is held: four decisions, not the six held; 4, 5 and 6 wait their turn.
+        assert woken == [1, 2, 1, 2, 3, 2] and room.held == 4
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert room.held == 0
+
+    asyncio.run(main())
+
+
+def test_timed_out_waits_do_not_pile_up_in_the_hold_room():
+    import asyncio
+
+    from gateway.hold import HoldRoom
+
+    async def main() -> int:
+        room = HoldRoom(max_hold_s=10)
+        for i in range(500):  # a held request retried on its timer, no event in between
+            assert not await room.wait(0, 1.0)
+        return len(room._queue)
+
+    assert asyncio.run(main()) <= 64 + 1
