@@ -211,6 +211,7 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "predicted_cached_tokens": p.get("hit_predicted_tokens_total"),
         "verified_cached_tokens": p.get("hit_actual_tokens_total"),
         "held": p.get("kvgate_held_total"), "hold_s_total": p.get("kvgate_hold_seconds_sum"),
+        "hold_decisions": p.get("holds"),  # decisions that answered Hold (a held request's re-decisions)
         "diverted": p.get("diverted"), "diverted_tokens": p.get("diverted_tokens"),
         "lost_diverted": run["hit_loss"].get("diverted"), "lost_evicted": run["hit_loss"].get("evicted"),
         "requests_diverted": run["hit_loss"].get("requests_diverted"),

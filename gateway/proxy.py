@@ -163,16 +163,18 @@ class Proxy:
         """Keep a held request until ``decide()`` answers something other than ``Hold``.
 
         It is asked again when a routed request reaches its first token or ends (the
-        oldest few held are, see ``HoldRoom``), or after the policy's ``retry_s``; past
-        ``max_hold_s`` the request no longer ``may_hold`` and the policy must choose."""
+        oldest few held are, see ``HoldRoom``), or after the policy's ``retry_s`` (backing
+        off while those retries find no room); past ``max_hold_s`` the request no longer
+        ``may_hold`` and the policy must choose."""
         if not view.may_hold:
             raise refused_hold(self.policy)
         room, start = self.holds, time.monotonic()
         self.metrics.held.inc()
+        timeout = held.retry_s
         try:
             while True:
                 left = room.max_hold_s - (time.monotonic() - start)
-                woken = left > 0 and await room.wait(min(held.retry_s, left), start)
+                woken = left > 0 and await room.wait(min(timeout, left), start)
                 view.held_s = time.monotonic() - start
                 view.may_hold = view.held_s < room.max_hold_s
                 result = await decide()
@@ -184,6 +186,11 @@ class Proxy:
                     raise GatewayError(500, f"policy {self.policy.name!r} held a request past max_hold_secs",
                                        code="policy_error")
                 held = result
+                # Held again after its own retry time: the room it was predicted did not come,
+                # so it backs off (doubling, to 1 s). Held requests book nothing, so every one
+                # is predicted to start soon, and fixed retries of a few ms would cost a
+                # decision per held request every few ms; events still wake the oldest at once.
+                timeout = held.retry_s if woken else max(held.retry_s, min(2 * timeout, 1.0))
         finally:
             view.may_hold = False
             self.metrics.hold_seconds.observe(time.monotonic() - start)
