@@ -36,6 +36,20 @@ PLUGIN = textwrap.dedent('''
                 return Hold(retry_s=60.0, reason="busy")
             return Choice(workers[0], reason="idle")
 
+    class RetriesFast(Policy):
+        """Holds every request, asking to be retried every 10 ms, and counts its decisions."""
+        name = "retries_fast"
+        decisions = 0
+
+        def select(self, request, workers):
+            self.decisions += 1
+            if request.may_hold:
+                return Hold(retry_s=0.01, reason="busy")
+            return Choice(workers[0], reason="max hold")
+
+        def stats(self):
+            return {"decisions": float(self.decisions)}
+
     class IgnoresMayHold(Policy):
         """A broken plugin: holds even when told it may not."""
         name = "ignores_may_hold"
@@ -117,6 +131,19 @@ def test_a_hold_ends_at_max_hold_secs_and_the_policy_must_choose(start_sim, star
     assert metric_value(metrics, "kvgate_held_total") == 1
     assert 0.6 <= metric_value(metrics, "kvgate_hold_seconds_sum") < 5
     assert metric_value(metrics, "kvgate_routed_total", worker=sim.url) == 1
+
+
+def test_retries_that_find_no_room_back_off(start_sim, start_gateway, plugin_env):
+    """A policy asks for a retry every 10 ms and never finds room: held for 1.5 s with no
+    event, the request is decided ~8 times (10 ms doubling to 1 s), not ~150."""
+    sim = start_sim("--time-scale", "20")
+    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:RetriesFast", "--max-hold-secs", "1.5"),
+                       env=plugin_env)
+    out: dict = {}
+    _complete(gw.url, "hello", 2, out, "r")
+    assert out["r"][0] == 200 and out["r_s"] >= 1.5, out
+    decisions = metric_value(get_text(gw.url + "/metrics"), "kvgate_policy_stat", stat="decisions")
+    assert 5 <= decisions <= 15, decisions
 
 
 def test_a_client_that_leaves_while_held_is_never_sent_upstream(start_sim, start_gateway, plugin_env):
