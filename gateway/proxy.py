@@ -174,7 +174,7 @@ class Proxy:
         try:
             while True:
                 left = room.max_hold_s - (time.monotonic() - start)
-                woken = left > 0 and await room.wait(min(timeout, left), start)
+                woken = left > 0 and await room.wait(min(timeout, left))
                 view.held_s = time.monotonic() - start
                 view.may_hold = view.held_s < room.max_hold_s
                 result = await decide()

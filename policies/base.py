@@ -93,9 +93,9 @@ class Hold:
 
     A request sent to a worker now would wait in that worker's queue, bound to it even when
     another frees first; held at the gateway it goes to whichever worker can start it when
-    one can. The gateway asks again on a first token or completion anywhere (the oldest few
-    held requests, in the order they were first held, are asked), or after ``retry_s``,
-    doubling while those retries are held again (to 1 s), and stops holding at its
+    one can. The gateway asks again on a first token or completion anywhere (a few held
+    requests are asked, those asked least recently first), or after ``retry_s``, doubling
+    while those retries are held again (to 1 s), and stops holding at its
     ``max_hold_secs``."""
 
     retry_s: float = 0.5
