@@ -9,10 +9,12 @@ held request can usually go there). It counts the policy decisions each event co
 the gateway CPU they take, for every wake mode of the room side by side:
 
 - ``all``: every held request is decided again at every event;
-- ``N``: the N oldest are, plus one more for each that goes to a worker.
+- ``N``: the N decided least recently are, plus one more for each that goes to a worker.
 
-It also reports the order in which held requests left (how far from oldest-first), since
-waking fewer must not let younger requests overtake older ones that could have gone.
+It also counts order inversions: held requests that went to a worker before one that
+arrived earlier. Every request here is the same size, so whichever is decided first when
+room frees takes it; a request held again goes to the back of the line, so some are
+expected with ``N``.
 
     PYTHONPATH=$PWD python -m bench.hold_wake [--held 10 100 1000] [--workers 64] [--wake all 4]
 """

@@ -41,7 +41,7 @@ class GatewayConfig:
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
     max_hold_secs: float = 30.0  # longest a policy may hold a request (late binding); 0: never
-    hold_wake: int = 4  # held requests decided again per first token or completion; 0: all
+    hold_wake: int = 16  # held requests decided again per first token or completion; 0: all
     max_payload_size: int = 256 * 1024 * 1024
     rate_limit_rps: float = 0.0  # per API key (or client IP without auth); 0: off
     rate_limit_burst: float = 0.0  # 0: one second's worth

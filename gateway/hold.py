@@ -24,7 +24,7 @@ import asyncio
 
 
 class HoldRoom:
-    def __init__(self, max_hold_s: float, wake: int = 4) -> None:
+    def __init__(self, max_hold_s: float, wake: int = 16) -> None:
         self.max_hold_s = max_hold_s
         self.wake = max(int(wake), 0)  # waiters decided again per event; 0: every one
         self._waiters: dict[asyncio.Future[None], None] = {}  # least recently decided first

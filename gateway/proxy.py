@@ -141,7 +141,7 @@ async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView
 
 class Proxy:
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 4) -> None:
+                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 16) -> None:
         self.registry = registry
         self.policy = policy
         self.session = session

@@ -120,29 +120,30 @@ def test_a_finished_request_wakes_the_held_ones(start_sim, start_gateway, plugin
     assert out["b_s"] < 10, out
 
 
-def test_a_hold_ends_at_max_hold_secs_and_the_policy_must_choose(start_sim, start_gateway, plugin_env):
+def _held_to_the_cap(start_sim, start_gateway, plugin_env, policy: str, max_hold_s: float) -> tuple[str, str]:
+    """One request through a policy that holds it until ``--max-hold-secs``: the worker's
+    URL and the gateway's metrics afterwards."""
     sim = start_sim("--time-scale", "20")
-    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:AlwaysHold", "--max-hold-secs", "0.6"),
+    gw = start_gateway(sim.url, args=("--policy", f"hold_plugins:{policy}", "--max-hold-secs", str(max_hold_s)),
                        env=plugin_env)
     out: dict = {}
     _complete(gw.url, "hello", 2, out, "r")
-    assert out["r"][0] == 200 and out["r_s"] >= 0.6, out
-    metrics = get_text(gw.url + "/metrics")
+    assert out["r"][0] == 200 and out["r_s"] >= max_hold_s, out
+    return sim.url, get_text(gw.url + "/metrics")
+
+
+def test_a_hold_ends_at_max_hold_secs_and_the_policy_must_choose(start_sim, start_gateway, plugin_env):
+    worker, metrics = _held_to_the_cap(start_sim, start_gateway, plugin_env, "AlwaysHold", 0.6)
     assert metric_value(metrics, "kvgate_held_total") == 1
     assert 0.6 <= metric_value(metrics, "kvgate_hold_seconds_sum") < 5
-    assert metric_value(metrics, "kvgate_routed_total", worker=sim.url) == 1
+    assert metric_value(metrics, "kvgate_routed_total", worker=worker) == 1
 
 
 def test_retries_that_find_no_room_back_off(start_sim, start_gateway, plugin_env):
     """A policy asks for a retry every 10 ms and never finds room: held for 1.5 s with no
     event, the request is decided ~8 times (10 ms doubling to 1 s), not ~150."""
-    sim = start_sim("--time-scale", "20")
-    gw = start_gateway(sim.url, args=("--policy", "hold_plugins:RetriesFast", "--max-hold-secs", "1.5"),
-                       env=plugin_env)
-    out: dict = {}
-    _complete(gw.url, "hello", 2, out, "r")
-    assert out["r"][0] == 200 and out["r_s"] >= 1.5, out
-    decisions = metric_value(get_text(gw.url + "/metrics"), "kvgate_policy_stat", stat="decisions")
+    _, metrics = _held_to_the_cap(start_sim, start_gateway, plugin_env, "RetriesFast", 1.5)
+    decisions = metric_value(metrics, "kvgate_policy_stat", stat="decisions")
     assert 5 <= decisions <= 15, decisions
 
 
@@ -206,7 +207,7 @@ def test_pd_pairs_are_held_and_chosen_together(plugin_env):
             p.stop()
 
 
-def test_the_hold_room_wakes_the_oldest_first_and_forgets_the_ones_that_left():
+def test_the_hold_room_wakes_in_order_and_forgets_the_ones_that_left():
     import asyncio
 
     from gateway.hold import HoldRoom
@@ -214,13 +215,12 @@ def test_the_hold_room_wakes_the_oldest_first_and_forgets_the_ones_that_left():
     async def main() -> list[str]:
         room, order = HoldRoom(max_hold_s=10, wake=0), []
 
-        async def held(name: str, timeout: float, since: float) -> None:
-            await room.wait(timeout, since)
+        async def held(name: str, timeout: float) -> None:
+            await room.wait(timeout)
             order.append(name)
 
-        # Entered out of order: the place in line is when each was first held.
-        tasks = [asyncio.create_task(held(n, 5, t)) for n, t in (("second", 2.0), ("first", 1.0), ("third", 3.0))]
-        gone = asyncio.create_task(held("gone", 5, 0.5))
+        tasks = [asyncio.create_task(held(n, 5)) for n in ("first", "second", "third")]
+        gone = asyncio.create_task(held("gone", 5))
         await asyncio.sleep(0.01)
         assert room.held == 4
         gone.cancel()
@@ -229,16 +229,17 @@ def test_the_hold_room_wakes_the_oldest_first_and_forgets_the_ones_that_left():
         room.notify()  # wake=0: every held request
         await asyncio.gather(*tasks)
         assert room.held == 0
-        await held("timer", 0.05, 4.0)  # nothing notifies: the timeout ends the wait
+        await held("timer", 0.05)  # nothing notifies: the timeout ends the wait
         return order
 
     assert asyncio.run(main()) == ["first", "second", "third", "timer"]
 
 
-def test_an_event_wakes_the_oldest_few_and_each_that_goes_wakes_the_next():
-    """An event decides only ``wake`` held requests again, oldest first, not all of them (each
-    is a policy decision); one that then goes to a worker (``committed``) wakes the next
-    oldest, and one held again keeps its place in line."""
+def test_an_event_wakes_a_few_and_each_that_goes_wakes_the_next():
+    """An event decides only ``wake`` held requests again, not all of them (each is a policy
+    decision), those decided least recently first; one that then goes to a worker
+    (``committed``) wakes the next. One held again goes to the back of the line, so requests
+    that cannot start yet do not take every event's turns from the others."""
     import asyncio
 
     from gateway.hold import HoldRoom
@@ -246,45 +247,33 @@ def test_an_event_wakes_the_oldest_few_and_each_that_goes_wakes_the_next():
     async def main() -> None:
         room = HoldRoom(max_hold_s=10, wake=2)
         woken: list[int] = []
-        goes = {3}  # of those woken, only request 3 finds room; the rest are held again
+        goes = set()
 
         async def held(i: int) -> None:
             while True:
-                if await room.wait(30, float(i)):
+                if await room.wait(30):
                     woken.append(i)
                     if i in goes:
                         room.committed()
                         return
 
-        tasks = [asyncio.create_task(held(i)) for i in range(6, 0, -1)]
+        tasks = []
+        for i in range(1, 7):
+            tasks.append(asyncio.create_task(held(i)))
+            await asyncio.sleep(0)
         await asyncio.sleep(0.01)
         assert room.held == 6
         room.notify()
         await asyncio.sleep(0.01)
-        assert woken == [1, 2] and room.held == 6  # the two oldest, held again
-        goes.add(1)
+        assert woken == [1, 2] and room.held == 6  # held again: now behind 3, 4, 5, 6
+        goes.update({3, 4})
         room.notify()
         await asyncio.sleep(0.01)
-        # 1 goes and wakes 3 (2 is deciding already), 3 goes and wakes the oldest left, 2
-        # again, which is held: four decisions, not the six held; 4, 5 and 6 wait their turn.
-        assert woken == [1, 2, 1, 2, 3, 2] and room.held == 4
+        # 3 and 4 go, each waking one more (5, 6), held again; 1 and 2 were not asked again.
+        assert woken == [1, 2, 3, 4, 5, 6] and room.held == 4
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert room.held == 0
 
     asyncio.run(main())
-
-
-def test_timed_out_waits_do_not_pile_up_in_the_hold_room():
-    import asyncio
-
-    from gateway.hold import HoldRoom
-
-    async def main() -> int:
-        room = HoldRoom(max_hold_s=10)
-        for i in range(500):  # a held request retried on its timer, no event in between
-            assert not await room.wait(0, 1.0)
-        return len(room._queue)
-
-    assert asyncio.run(main()) <= 64 + 1
