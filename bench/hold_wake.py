@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--held", type=int, nargs="+", default=[10, 100, 1000])
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--events", type=int, default=100)
-    ap.add_argument("--wake", nargs="+", default=["all", "4"], help="'all' or a number of oldest waiters per event")
+    ap.add_argument("--wake", nargs="+", default=["all", "16", "4"], help="'all' or how many held requests an event wakes")
     ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median is reported")
     args = ap.parse_args()
     rows = []

@@ -58,8 +58,8 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--max-hold-secs", type=float,
                    help="longest a policy may hold a request until a worker can start it (late binding); 0: never")
     g.add_argument("--hold-wake", type=int,
-                   help="held requests (oldest first) decided again at each first token or completion, plus one "
-                        "per request that then goes (default 4); 0: every held request")
+                   help="held requests (least recently decided first) decided again at each first token or "
+                        "completion, plus one per request that then goes (default 16); 0: every held request")
     g.add_argument("--rate-limit-rps", type=float, help="requests/s per API key (client IP without auth)")
     g.add_argument("--rate-limit-burst", type=float, help="bucket size for --rate-limit-rps (default: one second's)")
     g.add_argument("--request-timeout-secs", type=float, help="upstream silence (no byte) that fails an attempt")

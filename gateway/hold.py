@@ -8,7 +8,7 @@ the fleet changes: a routed request's first token (its prefill left the queue) o
 (its KV was freed), and at the retry time the policy gave it.
 
 An event frees room on one worker, usually for one request, so it wakes only the ``wake``
-held requests decided least recently (default 4), not all of them: waking every one made
+held requests decided least recently (default 16), not all of them: waking every one made
 each event cost a policy decision per held request, so under saturation, where requests
 are held, the gateway's work grew with the square of the load (bench/RESULTS.md, "Late
 binding"). Each woken request that goes to a worker wakes the next (``committed``): the

@@ -162,8 +162,8 @@ class Proxy:
     async def hold(self, view: RequestView, held: Hold, decide: Callable[[], Awaitable[T | Hold]]) -> T:
         """Keep a held request until ``decide()`` answers something other than ``Hold``.
 
-        It is asked again when a routed request reaches its first token or ends (the
-        oldest few held are, see ``HoldRoom``), or after the policy's ``retry_s`` (backing
+        It is asked again when a routed request reaches its first token or ends (some
+        held requests are, see ``HoldRoom``), or after the policy's ``retry_s`` (backing
         off while those retries find no room); past ``max_hold_s`` the request no longer
         ``may_hold`` and the policy must choose."""
         if not view.may_hold:
@@ -189,14 +189,14 @@ class Proxy:
                 # Held again after its own retry time: the room it was predicted did not come,
                 # so it backs off (doubling, to 1 s). Held requests book nothing, so every one
                 # is predicted to start soon, and fixed retries of a few ms would cost a
-                # decision per held request every few ms; events still wake the oldest at once.
+                # decision per held request every few ms; events still wake some at once.
                 timeout = held.retry_s if woken else max(held.retry_s, min(2 * timeout, 1.0))
         finally:
             view.may_hold = False
             self.metrics.hold_seconds.observe(time.monotonic() - start)
 
     def freed(self) -> None:
-        """A request reached its first token or ended: the oldest held requests are decided again."""
+        """A request reached its first token or ended: some held requests are decided again (``HoldRoom``)."""
         if self.holds.held:
             self.holds.notify()
 
