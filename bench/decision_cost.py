@@ -10,6 +10,8 @@ does) and matches prompts by page keys; a prompt's keys are computed once per re
 the gateway does) and reported both included ("select") and excluded ("index walk"), since
 they grow with prompt length and not with fleet size. SHA-256 page hashing, which the index
 needs only for blocks reported without token ids, is timed alone and as that fallback.
+The last rows (``--live``) time ``cost`` on a saturated fleet: every engine's KV pool full
+and N of this gateway's requests running on each worker, so it prices a KV wait everywhere.
 
     PYTHONPATH=$PWD python bench/decision_cost.py [--workers 64 --blocks 1000000]
 """
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--decisions", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--live", type=int, nargs="*", default=[32, 256],
+                    help="rows for cost on a saturated fleet: requests booked per worker, KV pools full")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the index in the cyclic GC's view (default: gc.freeze() after setup, "
                          "as a long-running gateway does after startup, so full collections do not "
@@ -198,6 +202,21 @@ def main() -> None:
                        timed(lambda r, _w: page_keys(r.token_ids, ps, seed(None)), hash_reqs, workers)))
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
+    # A saturated fleet: every engine's KV pool full and this gateway's requests running on
+    # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests).
+    for live in args.live:
+        full_load = [WorkerView(w.url, in_flight=w.in_flight, server_info=info,
+                                load=EngineLoad(running=live, waiting=0, used_tokens=399_950, max_tokens=400_000,
+                                                timestamp=time.monotonic()))
+                     for w in workers]
+        saturated = Cost(index=radix)
+        for w in full_load:
+            for k in range(live):
+                r = RequestView(f"live-{w.url}-{k}", "/generate", token_ids=[k], max_tokens=256)
+                saturated.on_routed(r, w)
+                saturated.on_first_token(r, w)
+        results.append(row(f"cost select, approx index, KV full, {live} running requests booked per worker",
+                           timed_turns(lambda r, _w: saturated.select(r, full_load), f"m{live}-")))
     avg_tokens = statistics.mean(len(r.token_ids) for r in hash_reqs)
     reused = precise.chains.pages_reused / max(precise.chains.pages_reused + precise.chains.pages_hashed, 1)
 
