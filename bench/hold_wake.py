@@ -84,12 +84,14 @@ async def scenario(held: int, workers: int, events: int, wake: int) -> dict[str,
     assert proxy.holds.held == held, proxy.holds.held
     decisions = 0
     cpu0 = time.thread_time()
-    for e in range(events):
+    for _ in range(events):
         done = routed.pop(0)  # the oldest routed request reaches its first token
         policy.on_first_token(done, fleet[0])
         proxy.freed()
         await settle()
-        while proxy.holds.held < held:  # steady state: a new request is held for each that left
+        for _ in range(held):  # steady state: a new request is held for each that left
+            if proxy.holds.held >= held:
+                break
             tasks.append(asyncio.create_task(route(_request(20_000 + len(tasks)), held + len(tasks))))
             await settle()
     cpu = time.thread_time() - cpu0
@@ -106,7 +108,8 @@ def main() -> None:
     ap.add_argument("--held", type=int, nargs="+", default=[10, 100, 1000])
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--events", type=int, default=100)
-    ap.add_argument("--wake", nargs="+", default=["all", "16", "4"], help="'all' or how many held requests an event wakes")
+    ap.add_argument("--wake", nargs="+", default=["all", "16", "4"],
+                    help="'all' or how many held requests an event wakes")
     ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median is reported")
     args = ap.parse_args()
     rows = []

@@ -428,10 +428,11 @@ class Cost(Policy):
         waiting more than ``hold_wait_s`` and so would every other; None to commit.
 
         Held, it is decided again when a routed request reaches its first token or ends
-        (those decided least recently first), so it goes wherever room frees first rather than where the prediction said room
-        would be; and a long prompt that does not fit yet blocks no engine queue. A request
-        held as long as it is still predicted to wait stops chasing and is committed, so a
-        long prompt is not overtaken forever by short ones that fit sooner.
+        (those decided least recently first), so it goes wherever room frees first rather
+        than where the prediction said room would be; and a long prompt that does not fit
+        yet blocks no engine queue. A request held as long as it is still predicted to wait
+        stops chasing and is committed, so a long prompt is not overtaken forever by short
+        ones that fit sooner.
 
         Not while some worker could start it at once: a held request books nothing, so a
         burst held for the one worker that holds its prefix would not see itself queue
