@@ -26,12 +26,13 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import cpu_name  # noqa: E402
-from policies.base import EngineLoad, RequestView, WorkerView  # noqa: E402
+from policies.base import EngineLoad, Outcome, RequestView, WorkerView  # noqa: E402
 from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
@@ -96,6 +97,8 @@ def main() -> None:
                          "as a long-running gateway does after startup, so full collections do not "
                          "rescan the index)")
     args = ap.parse_args()
+    if any(n < 1 for n in args.live):
+        ap.error("--live: at least one request booked per worker")
     ps = args.page_size
     rng = random.Random(args.seed)
     n_conv = max(1, args.blocks // args.conv_pages)
@@ -204,19 +207,50 @@ def main() -> None:
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
     # A saturated fleet: every engine's KV pool full and this gateway's requests running on
     # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests).
+    # An eighth of them are still queued for prefill. Between two decisions (untimed) a
+    # decision's worth of traffic happens: one request ends, one is routed, one reaches its
+    # first token, each on its own worker, so the decision also pays for re-sorting those
+    # workers' release schedules (policies/kv_release.py).
     for live in args.live:
         full_load = [WorkerView(w.url, in_flight=w.in_flight, server_info=info,
                                 load=EngineLoad(running=live, waiting=0, used_tokens=399_950, max_tokens=400_000,
                                                 timestamp=time.monotonic()))
                      for w in workers]
         saturated = Cost(index=radix)
+        running: deque[tuple[RequestView, WorkerView]] = deque()
+        queued: deque[tuple[RequestView, WorkerView]] = deque()
+        traffic = random.Random(args.seed + live)
+
+        def book(w: WorkerView, start: bool) -> None:
+            r = RequestView(f"live-{len(running) + len(queued)}-{traffic.random()}", "/generate",
+                            token_ids=[7], max_tokens=256)
+            saturated.on_routed(r, w)
+            if start:
+                saturated.on_first_token(r, w)
+                running.append((r, w))
+            else:
+                queued.append((r, w))
+
         for w in full_load:
             for k in range(live):
-                r = RequestView(f"live-{w.url}-{k}", "/generate", token_ids=[k], max_tokens=256)
-                saturated.on_routed(r, w)
-                saturated.on_first_token(r, w)
-        results.append(row(f"cost select, approx index, KV full, {live} running requests booked per worker",
-                           timed_turns(lambda r, _w: saturated.select(r, full_load), f"m{live}-")))
+                book(w, start=k % 8 != 0)
+
+        def one_decisions_traffic() -> None:
+            done, w = (running or queued).popleft()
+            saturated.on_complete(done, w, Outcome(ok=True, completion_tokens=128))
+            book(traffic.choice(full_load), start=False)
+            first, w = queued.popleft()
+            saturated.on_first_token(first, w)
+            running.append((first, w))
+
+        wall, cpu = [], []
+        for prev, nxt in turns(f"m{live}-"):
+            one_decisions_traffic()
+            w, c = timed(saturated.select, [nxt], full_load)
+            wall += w
+            cpu += c
+        results.append(row(f"cost select, approx index, KV full, {live} requests booked per worker "
+                           "(1/8 queued), 3 bookings changed between decisions", (wall, cpu)))
     avg_tokens = statistics.mean(len(r.token_ids) for r in hash_reqs)
     reused = precise.chains.pages_reused / max(precise.chains.pages_reused + precise.chains.pages_hashed, 1)
 

@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
 from policies.kv_feed import KvEventFeed
+from policies.kv_release import KvReleases
 from policies.tree_budget import TreeBudget
 from policies.prefix_index import IndexMatch, PrefixIndex, Tiers
 
@@ -189,7 +190,7 @@ class Cost(Policy):
         self._out_ratio = 1.0  # completion tokens / max_tokens, learned from completions
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
         self._live: dict[str, _Live] = {}
-        self._kv: dict[str, dict[str, _Live]] = {}  # worker -> its live requests (KV they hold)
+        self._kv: dict[str, KvReleases] = {}  # worker -> its live requests (KV they hold)
         self._tpot: dict[str, float] = {}  # worker -> measured seconds per output token
 
     # -- the model ----------------------------------------------------------------------
@@ -218,7 +219,8 @@ class Cost(Policy):
         output = _OUTPUT_SHARE * self._out_ratio * float(
             request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         memory, need = self.memory, prompt + output
-        book_get, idle, live_get = self._book.get, _IDLE, self._kv.get
+        book_get, idle, live_get, tpot_get = self._book.get, _IDLE, self._kv.get, self._tpot.get
+        default_tpot = self.default_tpot_s
         use_load, drain = mode != "off", mode == "drain"
         hits = match.hits if match.hits and not self.verifier.degraded else {}
         scale = 1.0
@@ -257,10 +259,12 @@ class Cost(Policy):
                 t = hits[url]
                 hit_at[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)),
                              (wait, decode, kv, capacity))
-            if capacity and kv + need > capacity and live_get(url):
-                over = self.memory_wait(url, kv + need - capacity, now, wait)
-                if over > wait:
-                    wait = over
+            if capacity and kv + need > capacity:
+                releases = live_get(url)
+                if releases is not None and releases.lives:  # as memory_wait, one call less
+                    over = releases.wait(kv + need - capacity, now, wait, tpot_get(url, default_tpot))
+                    if over > wait:
+                        wait = over
             if wait > 0.0:
                 busy += 1
             bases.append(wait + decode)
@@ -323,20 +327,12 @@ class Cost(Policy):
         there is expected to free its KV after its expected output (``max_tokens`` times the
         share of it that requests have been using: EOS usually comes first) after its first token
         (``queue_wait`` from now if it has none yet), at the worker's measured time per
-        output token.
+        output token. Sorted once per change of those, not per question: ``KvReleases``.
         """
-        lives = self._kv.get(url)
-        if not lives:
+        releases = self._kv.get(url)
+        if releases is None or not releases.lives:
             return 0.0
-        tpot = self._tpot.get(url, self.default_tpot_s)
-        ends = sorted(((live.first_token_at if live.first_token_at is not None else now + queue_wait)
-                       + live.output * tpot, live.footprint) for live in lives.values())
-        freed, end = 0.0, now
-        for end, footprint in ends:
-            freed += footprint
-            if freed >= over:
-                break
-        return max(end - now, 0.0)
+        return releases.wait(over, now, queue_wait, self._tpot.get(url, self.default_tpot_s))
 
     def _score(self, cost: tuple[float, float, float], weight: float) -> float:
         """What the choice minimises: the TTFT, plus (``weight``, see ``weight``) the prefill
@@ -479,7 +475,10 @@ class Cost(Policy):
         output = 0.0 if worker.role == "prefill" else max_new * self._out_ratio  # PD prefill: KV leaves with the transfer
         live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * output, output, max_new)
         self._live[request.request_id] = live
-        self._kv.setdefault(worker.url, {})[request.request_id] = live
+        releases = self._kv.get(worker.url)
+        if releases is None:
+            releases = self._kv[worker.url] = KvReleases()
+        releases.add(request.request_id, live)
         book.kv += live.footprint
         self._avg_uncached += 0.05 * (tokens - self._avg_uncached)
 
@@ -489,6 +488,9 @@ class Cost(Policy):
             self._unqueue(live)
             live.first_token_at = time.monotonic()
             self._booked(live.url).decoding += 1
+            releases = self._kv.get(live.url)
+            if releases is not None:
+                releases.started()
             if worker.role == "prefill":  # its KV went to the decode worker with the first token
                 self._release_kv(request.request_id, live)
 
@@ -514,7 +516,8 @@ class Cost(Policy):
             self.budget.learn(request, outcome)
 
     def _release_kv(self, request_id: str, live: _Live) -> None:
-        if self._kv.get(live.url, {}).pop(request_id, None) is not None:
+        releases = self._kv.get(live.url)
+        if releases is not None and releases.pop(request_id) is not None:
             book = self._booked(live.url)
             book.kv = max(book.kv - live.footprint, 0.0)
 

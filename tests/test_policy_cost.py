@@ -394,3 +394,52 @@ def test_no_hold_while_some_worker_could_start_the_request_at_once():
     choice = policy.select(again, [*ws, idle])
     assert not isinstance(choice, Hold)
     assert choice.worker.url == ws[0].url  # the prefix is worth its queue at the full weight
+
+
+def _walk(lives, over: float, now: float, queue_wait: float, tpot: float) -> float:
+    """The KV wait by its definition: sort every booked request by expected end, walk until
+    ``over`` tokens are freed (all of them: the last end)."""
+    if not lives:
+        return 0.0
+    ends = sorted(((live.first_token_at if live.first_token_at is not None else now + queue_wait)
+                   + live.output * tpot, live.footprint) for live in lives)
+    freed, end = 0.0, now
+    for end, footprint in ends:
+        freed += footprint
+        if freed >= over:
+            break
+    return max(end - now, 0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_kv_release_schedule_answers_as_the_full_sort_does(data):
+    """``KvReleases`` keeps its sort across questions and bisects; whatever the bookings,
+    first tokens, completions and time per token in between, each answer is the walk's."""
+    from policies.cost import _Live
+    from policies.kv_release import KvReleases
+
+    releases, now, n = KvReleases(), 100.0, 0
+    small = st.floats(0, 50, allow_nan=False)
+    for _ in range(data.draw(st.integers(1, 40), label="steps")):
+        op = data.draw(st.sampled_from(["add", "add", "add", "start", "end", "ask", "ask"]), label="op")
+        if op == "add":
+            output = data.draw(st.sampled_from([0.0, 10.0, 100.0, 1000.0]) | st.floats(0, 1000), label="output")
+            live = _Live("w", 0.0, data.draw(st.integers(1, 500), label="kv"), output, output)
+            if data.draw(st.booleans(), label="running"):
+                live.first_token_at = now - data.draw(small, label="started ago")
+            releases.add(f"r{n}", live)
+            n += 1
+        elif op in ("start", "end") and releases.lives:
+            rid = data.draw(st.sampled_from(sorted(releases.lives)), label=op)
+            if op == "end":
+                releases.pop(rid)
+            elif releases.lives[rid].first_token_at is None:
+                releases.lives[rid].first_token_at = now - data.draw(small, label="started ago")
+                releases.started()
+        else:
+            over = data.draw(st.floats(0.5, 3000, allow_nan=False), label="over")
+            wait = data.draw(st.sampled_from([0.0, 0.5, 2.0]) | small, label="queue wait")
+            tpot = data.draw(st.sampled_from([0.01, 0.03]), label="tpot")
+            now += data.draw(st.floats(0, 2, allow_nan=False), label="time passes")
+            assert releases.wait(over, now, wait, tpot) == _walk(releases.lives.values(), over, now, wait, tpot)
