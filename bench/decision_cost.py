@@ -206,8 +206,8 @@ def main() -> None:
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
     # A saturated fleet: every engine's KV pool full and this gateway's requests running on
-    # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests).
-    # An eighth of them are still queued for prefill. Between two decisions (untimed) a
+    # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests),
+    # their prompts together as large as the pool. An eighth of them are still queued for prefill. Between two decisions (untimed) a
     # decision's worth of traffic happens: one request ends, one is routed, one reaches its
     # first token, each on its own worker, so the decision also pays for re-sorting those
     # workers' release schedules (policies/kv_release.py).
@@ -220,10 +220,11 @@ def main() -> None:
         running: deque[tuple[RequestView, WorkerView]] = deque()
         queued: deque[tuple[RequestView, WorkerView]] = deque()
         traffic = random.Random(args.seed + live)
+        held = [7] * (390_000 // live)  # so that this gateway's bookings are what fills the pools
 
         def book(w: WorkerView, start: bool) -> None:
             r = RequestView(f"live-{len(running) + len(queued)}-{traffic.random()}", "/generate",
-                            token_ids=[7], max_tokens=256)
+                            token_ids=held, max_tokens=256)
             saturated.on_routed(r, w)
             if start:
                 saturated.on_first_token(r, w)
