@@ -90,6 +90,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--decisions", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tree-budget", type=int, default=1 << 25,
+                    help="the radix index's budget in tenant-tokens (max_tree_size; the default holds the "
+                         "whole 1M-block fleet, ~30M tenant-tokens, without evicting)")
     ap.add_argument("--live", type=int, nargs="*", default=[32, 256],
                     help="rows for cost on a saturated fleet: requests booked per worker, KV pools full")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -135,7 +138,7 @@ def main() -> None:
     # -- approximate radix on the same conversations (token keys), turn by turn --------
     base = rss_mib()
     t0 = time.perf_counter()
-    radix = RadixIndex(max_units=1 << 62, key="tokens")
+    radix = RadixIndex(max_units=args.tree_budget, key="tokens")
     cut = args.conv_pages * ps // args.turns
     for c in range(n_conv):
         tokens = conversation(c, args.conv_pages, ps)
@@ -264,7 +267,8 @@ def main() -> None:
           f"distinct blocks (page {ps}; {len(precise.pool):,} in the shared pool), "
           f"{n_conv} conversations x {args.turns} turns, prompts avg {avg_tokens:.0f} tokens")
     print(f"precise index: {mem_precise:.0f} MiB RSS, built in {build_precise:.1f} s; "
-          f"radix index: {mem_radix:.0f} MiB RSS, {radix.nodes:,} nodes, {radix.units:,} tenant-tokens, "
+          f"radix index: {mem_radix:.0f} MiB RSS, {radix.nodes:,} nodes, {radix.units:,} tenant-tokens "
+          f"of its {radix.max_units:,} budget ({radix.evicted_units:,} evicted), "
           f"built in {build_radix:.1f} s; SHA fallback: page-hash cache reused {reused:.0%} of pages")
     print()
     print("| path | decisions | CPU median us | CPU p99 us | wall median us | wall p99 us |")
