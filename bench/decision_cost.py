@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import cpu_name  # noqa: E402
+from gateway.app import tune_gc  # noqa: E402
 from policies.base import EngineLoad, Outcome, RequestView, WorkerView  # noqa: E402
 from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
@@ -96,9 +97,8 @@ def main() -> None:
     ap.add_argument("--live", type=int, nargs="*", default=[32, 256],
                     help="rows for cost on a saturated fleet: requests booked per worker, KV pools full")
     ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the index in the cyclic GC's view (default: gc.freeze() after setup, "
-                         "as a long-running gateway does after startup, so full collections do not "
-                         "rescan the index)")
+                    help="CPython's default collector (default: the gateway's own settings after setup, "
+                         "gateway.app.tune_gc: gc.freeze() and a collection every 100k allocations)")
     args = ap.parse_args()
     if any(n < 1 for n in args.live):
         ap.error("--live: at least one request booked per worker")
@@ -183,8 +183,7 @@ def main() -> None:
     cost_approx = Cost(index=radix)
 
     if not args.no_gc_freeze:
-        gc.collect()
-        gc.freeze()
+        tune_gc()
     results = []
     reqs = [nxt for _, nxt in turns("w")]
     precise._hash_cache = len(reqs) + 1
@@ -261,7 +260,7 @@ def main() -> None:
     print(f"# Routing decision cost ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC})")
     print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
     print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
-    print(f"gc: {'default (index scanned by full collections)' if args.no_gc_freeze else 'gc.freeze() after setup'}; "
+    print(f"gc: {'CPython default' if args.no_gc_freeze else 'the gateway settings after setup (tune_gc)'}; "
           f"load average at end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}")
     print(f"fleet: {args.workers} workers, {len(precise.blocks) + len(precise.pool - precise.blocks.keys()):,} "
           f"distinct blocks (page {ps}; {len(precise.pool):,} in the shared pool), "
