@@ -82,6 +82,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
@@ -117,6 +118,7 @@ class _Booked:
 
 
 _IDLE = _Booked()  # read-only stand-in for a worker with nothing booked
+_TIERS = itemgetter(1)  # the Tiers of a ``_Backlogs.hits`` entry
 
 
 @dataclass(slots=True)
@@ -308,15 +310,30 @@ class Cost(Policy):
     def _hit_cost(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
                   capacity: float) -> tuple[float, float, float]:
         """(ttft, uncached, cached) of a worker holding ``tiers`` of the prompt."""
+        return self._hit_priced(url, tiers, b, wait, decode, kv, capacity)[1]
+
+    def _hit_priced(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
+                    capacity: float) -> tuple[float, tuple[float, float, float]]:
+        """(score, cost): ``_hit_cost`` and its ``_score`` in one pass, since ``select`` runs
+        it for every worker holding part of the prompt (all of them when it is in the
+        shared pool)."""
         gpu, host, pool = tiers
         prompt = b.prompt
-        cached = min(gpu + host + pool, prompt)
+        cached = gpu + host + pool
+        if cached > prompt:
+            cached = prompt
         uncached = prompt - cached
         if capacity and kv + uncached + b.output > capacity:
-            wait = max(wait, self.memory_wait(url, kv + uncached + b.output - capacity, b.now, wait))
-        ttft = (wait + decode + self.prefill_tokens(uncached, cached) * (1.0 / self.prefill_tps)
-                + host / self.host_tps + pool / self.pool_tps)
-        return ttft, uncached, cached
+            over = self.memory_wait(url, kv + uncached + b.output - capacity, b.now, wait)
+            if over > wait:
+                wait = over
+        own = uncached * (1.0 + (cached + uncached / 2.0) * self.inv_attention) / self.prefill_tps
+        ttft = wait + decode + own
+        if host:
+            ttft += host / self.host_tps
+        if pool:
+            ttft += pool / self.pool_tps
+        return ttft + b.weight * own, (ttft, uncached, cached)
 
     def memory_wait(self, url: str, over: float, now: float, queue_wait: float) -> float:
         """Seconds until ``over`` more KV tokens are free on the worker than it has now.
@@ -380,9 +397,10 @@ class Cost(Policy):
         i = bases.index(min(bases))
         cost = (bases[i] + b.full, b.prompt, 0.0)
         miss = best = (self._score(cost, b.weight), i)
+        priced = self._hit_priced
         for url, (j, tiers, state) in b.hits.items():
-            hit = self._hit_cost(url, tiers, b, *state)
-            score = (self._score(hit, b.weight), j)
+            score, hit = priced(url, tiers, b, *state)
+            score = (score, j)
             if j == i:
                 if score > miss:  # a hit priced above a miss (a slow pool): no shortcut
                     return self._select_scored(request, workers, b)
@@ -448,7 +466,7 @@ class Cost(Policy):
         up for a shorter wait: the one number that says what balance costs in hits)."""
         ttft, uncached, cached = cost
         if b.hits:
-            best = min(max(t.total for _, t, _ in b.hits.values()), b.prompt)
+            best = min(max(map(sum, map(_TIERS, b.hits.values()))), b.prompt)  # Tiers.total, in C
             if best > cached:
                 self.diverted += 1
                 self.diverted_tokens += best - cached
