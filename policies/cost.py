@@ -508,7 +508,7 @@ class Cost(Policy):
             self._booked(live.url).decoding += 1
             releases = self._kv.get(live.url)
             if releases is not None:
-                releases.started()
+                releases.started(live)
             if worker.role == "prefill":  # its KV went to the decode worker with the first token
                 self._release_kv(request.request_id, live)
 

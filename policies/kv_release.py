@@ -15,7 +15,7 @@ queued ones by output alone, and combined at question time.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import Protocol
 
@@ -31,37 +31,54 @@ class Booking(Protocol):
 
 
 class KvReleases:
-    """One worker's live requests and, sorted on demand, when their KV is expected back."""
+    """One worker's live requests and, sorted on demand, when their KV is expected back.
 
-    __slots__ = ("lives", "_tpot", "_ends", "_freed", "_offsets", "_queued_freed")
+    Sorted once per change of the worker's time per token (each completion there re-measures
+    it); a booking, first token or completion in between moves one entry in place."""
+
+    __slots__ = ("lives", "_tpot", "_started", "_queued")
 
     def __init__(self) -> None:
         self.lives: dict[str, Booking] = {}
         self._tpot: float | None = None  # the time per token the sort used; None: stale
-        self._ends: list[float] = []  # started requests: expected end, ascending
-        self._freed: list[float] = []  # KV freed once _ends[i] has passed (running sum)
-        self._offsets: list[float] = []  # queued requests: end - their first token, ascending
-        self._queued_freed: list[float] = []
+        self._started = _Run([], [])  # started requests by expected end
+        self._queued = _Run([], [])  # queued requests by end - their first token
 
     def add(self, request_id: str, live: Booking) -> None:
         self.lives[request_id] = live
-        self._tpot = None
+        if self._tpot is not None:
+            self._run(live).insert(self._key(live), live.footprint)
 
     def pop(self, request_id: str) -> Booking | None:
         live = self.lives.pop(request_id, None)
-        if live is not None:
-            self._tpot = None
+        if live is not None and self._tpot is not None:
+            if not self._run(live).remove(self._key(live), live.footprint):
+                self._tpot = None
         return live
 
-    def started(self) -> None:
-        """One of the lives reached its first token: its end is now fixed."""
-        self._tpot = None
+    def started(self, live: Booking) -> None:
+        """``live`` (booked here) has just reached its first token: its end is now fixed."""
+        if self._tpot is not None:
+            if self._queued.remove(live.output * self._tpot, live.footprint):
+                self._started.insert(self._key(live), live.footprint)
+            else:
+                self._tpot = None
+
+    def _run(self, live: Booking) -> _Run:
+        return self._queued if live.first_token_at is None else self._started
+
+    def _key(self, live: Booking) -> float:
+        """Its place in its run; the same arithmetic as ``_sort``, so removal finds it."""
+        assert self._tpot is not None
+        if live.first_token_at is None:
+            return live.output * self._tpot
+        return live.first_token_at + live.output * self._tpot
 
     def _sort(self, tpot: float) -> None:
         started = [live for live in self.lives.values() if live.first_token_at is not None]
         queued = [live for live in self.lives.values() if live.first_token_at is None]
-        self._ends, self._freed = _by_end([live.first_token_at + live.output * tpot for live in started], started)
-        self._offsets, self._queued_freed = _by_end([live.output * tpot for live in queued], queued)
+        self._started = _Run.of([live.first_token_at + live.output * tpot for live in started], started)
+        self._queued = _Run.of([live.output * tpot for live in queued], queued)
         self._tpot = tpot
 
     def wait(self, over: float, now: float, queue_wait: float, tpot: float) -> float:
@@ -70,8 +87,8 @@ class KvReleases:
         ``queue_wait`` from now."""
         if self._tpot != tpot:
             self._sort(tpot)
-        ends, offsets, start = self._ends, self._offsets, now + queue_wait
-        i = bisect_left(self._freed, over)
+        ends, offsets, start = self._started.keys, self._queued.keys, now + queue_wait
+        i = bisect_left(self._started.sums(), over)
         if i < len(ends):  # started requests alone free enough by ends[i]
             best = ends[i]
             if offsets and start + offsets[0] < best:  # but some queued request ends sooner
@@ -91,7 +108,7 @@ class KvReleases:
         As k grows the queued part ends later and the started part earlier, so the best
         k is at or just before the first k where the queued part ends no earlier, found
         by bisection."""
-        ends, freed, offsets, qfreed = self._ends, self._freed, self._offsets, self._queued_freed
+        ends, freed, offsets, qfreed = self._started.keys, self._started.sums(), self._queued.keys, self._queued.sums()
         n = len(ends)
         if not n:  # queued requests alone
             j = bisect_left(qfreed, over)
@@ -120,9 +137,42 @@ class KvReleases:
         return best
 
 
-def _by_end(ends: list[float], lives: list[Booking]) -> tuple[list[float], list[float]]:
-    """``ends`` ascending, and the KV freed by each (running sum). Sorting indices by a
-    float key is ~1.5x faster than sorting (end, footprint) tuples, and at 256 live requests
-    this sort is most of what a booking change costs."""
-    order = sorted(range(len(ends)), key=ends.__getitem__)
-    return [ends[i] for i in order], list(accumulate([lives[i].footprint for i in order]))
+class _Run:
+    """Keys ascending, the KV each entry frees, and their running sums (made on demand)."""
+
+    __slots__ = ("keys", "footprints", "_sums")
+
+    def __init__(self, keys: list[float], footprints: list[float]) -> None:
+        self.keys, self.footprints = keys, footprints
+        self._sums: list[float] | None = None
+
+    @classmethod
+    def of(cls, keys: list[float], lives: list[Booking]) -> _Run:
+        """Sorting indices by a float key is ~1.5x faster than sorting (key, footprint)
+        tuples, and at 256 live requests this sort is most of what a re-measured time per
+        token costs."""
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        return cls([keys[i] for i in order], [lives[i].footprint for i in order])
+
+    def sums(self) -> list[float]:
+        if self._sums is None:
+            self._sums = list(accumulate(self.footprints))
+        return self._sums
+
+    def insert(self, key: float, footprint: float) -> None:
+        i = bisect_right(self.keys, key)
+        self.keys.insert(i, key)
+        self.footprints.insert(i, footprint)
+        self._sums = None
+
+    def remove(self, key: float, footprint: float) -> bool:
+        """Remove one entry (key, footprint); False if there is none (the caller re-sorts)."""
+        keys, footprints = self.keys, self.footprints
+        i = bisect_left(keys, key)
+        while i < len(keys) and keys[i] == key:
+            if footprints[i] == footprint:
+                del keys[i], footprints[i]
+                self._sums = None
+                return True
+            i += 1
+        return False

@@ -436,7 +436,7 @@ def test_kv_release_schedule_answers_as_the_full_sort_does(data):
                 releases.pop(rid)
             elif releases.lives[rid].first_token_at is None:
                 releases.lives[rid].first_token_at = now - data.draw(small, label="started ago")
-                releases.started()
+                releases.started(releases.lives[rid])
         else:
             over = data.draw(st.floats(0.5, 3000, allow_nan=False), label="over")
             wait = data.draw(st.sampled_from([0.0, 0.5, 2.0]) | small, label="queue wait")
