@@ -4,8 +4,9 @@ On a saturated fleet every decision asks every worker "how long until ``over`` m
 tokens are free?". Sorting the worker's live requests by expected end for each question
 cost 0.4 ms a decision at 32 running per worker and 2.2 ms at 256 (bench/decision_cost.py
 ``--live``). The ends only move when a request is booked, reaches its first token or ends,
-or the worker's time per token is re-measured; so they are sorted then, once, with running
-sums of the KV they free, and a question is a few bisections.
+or the worker's time per token is re-measured; so they are kept sorted, with running sums of
+the KV they free (a booking change moves one entry, a new time per token re-sorts), and a
+question is a few bisections.
 
 A request past its first token ends at a fixed time: first token + expected output x time
 per token. One still queued ends that long after its first token, which is ``queue_wait``
