@@ -209,10 +209,10 @@ def main() -> None:
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
     # A saturated fleet: every engine's KV pool full and this gateway's requests running on
     # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests),
-    # their prompts together as large as the pool. An eighth of them are still queued for prefill. Between two decisions (untimed) a
-    # decision's worth of traffic happens: one request ends, one is routed, one reaches its
-    # first token, each on its own worker, so the decision also pays for re-sorting those
-    # workers' release schedules (policies/kv_release.py).
+    # their prompts together as large as the pool; an eighth are still queued for prefill.
+    # Between two decisions (untimed) a decision's worth of traffic happens: one request
+    # ends, one is routed, one reaches its first token, so the decision also pays for
+    # updating those workers' release schedules (policies/kv_release.py).
     for live in args.live:
         full_load = [WorkerView(w.url, in_flight=w.in_flight, server_info=info,
                                 load=EngineLoad(running=live, waiting=0, used_tokens=399_950, max_tokens=400_000,
@@ -247,7 +247,7 @@ def main() -> None:
             running.append((first, w))
 
         wall, cpu = [], []
-        for prev, nxt in turns(f"m{live}-"):
+        for _, nxt in turns(f"m{live}-"):
             one_decisions_traffic()
             w, c = timed(saturated.select, [nxt], full_load)
             wall += w
