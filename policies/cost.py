@@ -86,6 +86,7 @@ from operator import itemgetter
 
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
+from policies.fleet_backlog import Booked, FleetBacklog, Pricing
 from policies.kv_feed import KvEventFeed
 from policies.kv_release import KvReleases
 from policies.tree_budget import TreeBudget
@@ -108,16 +109,6 @@ class _Live:
     first_token_at: float | None = None
 
 
-@dataclass(slots=True)
-class _Booked:
-    """What this gateway has sent one worker and not yet seen finish."""
-
-    queued: float = 0.0  # prefill work before first tokens, in linear-token equivalents
-    decoding: int = 0  # requests past their first token
-    kv: float = 0.0  # KV tokens its live requests hold (sum of their footprints)
-
-
-_IDLE = _Booked()  # read-only stand-in for a worker with nothing booked
 _TIERS = itemgetter(1)  # the Tiers of a ``_Backlogs.hits`` entry
 
 
@@ -186,8 +177,12 @@ class Cost(Policy):
         else:
             self.index = index
         self.verifier = make_verifier(self.name, options)
-        self._book: dict[str, _Booked] = {}  # per worker: what this gateway sent it
+        self._book: dict[str, Booked] = {}  # per worker: what this gateway sent it
         self._avg_uncached = 0.0
+        self._inv_prefill = 1.0 / self.prefill_tps
+        self._rows = FleetBacklog(Pricing(self.prefill_tps, self._inv_prefill, self.decode_cost_s,
+                                          self.engine_load, self.memory),
+                                  self._book, lambda: self._avg_uncached)
         self._avg_max_new = 256.0
         self._out_ratio = 1.0  # completion tokens / max_tokens, learned from completions
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # select -> on_routed
@@ -212,65 +207,49 @@ class Cost(Policy):
         return out
 
     def _backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> _Backlogs:
-        """Every worker's cost with no hit, in one pass; where the hits are, for
-        ``_hit_cost``. Split so ``select`` can take the cheapest miss with ``min`` and price
-        only the few workers that hold part of the prompt."""
+        """Every worker's cost with no hit; where the hits are, for ``_hit_cost``. Split so
+        ``select`` can take the cheapest miss with ``min`` and price only the few workers
+        that hold part of the prompt. The rows come from ``FleetBacklog`` (kept across
+        decisions); this prices what moves with the clock and with this request's size:
+        engine queues still draining, and the KV wait where the request does not fit."""
         prompt = float(request.prompt_tokens_estimate)
-        inv_prefill, decode_cost, avg = 1.0 / self.prefill_tps, self.decode_cost_s, self._avg_uncached
-        mode, now, tps = self.engine_load, time.monotonic(), self.prefill_tps
+        now = time.monotonic()
         output = _OUTPUT_SHARE * self._out_ratio * float(
             request.max_tokens if request.max_tokens is not None else self._avg_max_new)
-        memory, need = self.memory, prompt + output
-        book_get, idle, live_get, tpot_get = self._book.get, _IDLE, self._kv.get, self._tpot.get
-        default_tpot = self.default_tpot_s
-        use_load, drain = mode != "off", mode == "drain"
-        hits = match.hits if match.hits and not self.verifier.degraded else {}
-        scale = 1.0
-        if hits and match.unit != "tokens":
-            scale = prompt / match.query_len if match.query_len else 0.0
+        need = prompt + output
+        fleet = self._rows.fleet(workers, now)
+        bases, waits, decode, busy = fleet.base.copy(), fleet.wait, fleet.decode, fleet.busy
+        if fleet.draining:  # engine-reported queues longer than the booked ones, for now
+            waits = waits.copy()
+            tps, engine, at = self.prefill_tps, fleet.engine, fleet.reported_at
+            for i in fleet.draining:
+                waits[i] = wait = (engine[i] - (now - at[i]) * tps) * self._inv_prefill
+                bases[i] = wait + decode[i]
+            busy += len(fleet.draining)
         hit_at: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
-        bases: list[float] = []
-        busy = 0
-        # This runs once per worker (64 in bench/decision_cost.py), so each operation in it
-        # costs a few us a decision: hence comparisons instead of max(), and the KV wait
-        # priced only where this gateway has requests booked (none: nothing to wait for).
-        for w in workers:  # every worker: no hit, just its backlog
-            url = w.url
-            book = book_get(url, idle)
-            queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
-            load = w.load
-            if load is not None:
-                if use_load:  # traffic this gateway did not route still occupies the engine
-                    backlog = load.waiting * avg
-                    if drain:  # the engine has been working through it since the poll
-                        backlog -= (now - load.timestamp) * tps
-                    if backlog > queued:
-                        queued = backlog
-                    if load.running > running:
-                        running = load.running
-                capacity = load.max_tokens
-                if load.used_tokens > kv:
-                    kv = load.used_tokens
-            wait, decode = queued * inv_prefill, running * decode_cost
-            if kv and memory:  # nothing held: nothing to wait for
-                if not capacity:
-                    capacity = w.server_info.get("max_total_num_tokens") or 0
-            else:
-                capacity = 0
-            if hits and url in hits and url not in hit_at:
-                t = hits[url]
-                hit_at[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)),
-                             (wait, decode, kv, capacity))
-            if capacity and kv + need > capacity:
-                releases = live_get(url)
-                if releases is not None and releases.lives:  # as memory_wait, one call less
-                    over = releases.wait(kv + need - capacity, now, wait, tpot_get(url, default_tpot))
+        if match.hits and not self.verifier.degraded:
+            scale = 1.0
+            if match.unit != "tokens":
+                scale = prompt / match.query_len if match.query_len else 0.0
+            pos, kv, cap = fleet.pos, fleet.kv, fleet.cap
+            for url, t in match.hits.items():
+                i = pos.get(url)
+                if i is not None:
+                    hit_at[url] = (i, t if scale == 1.0 else Tiers(*(x * scale for x in t)),
+                                   (waits[i], decode[i], kv[i], cap[i]))
+        for _, i in fleet.tight(need):  # the KV wait, where this request does not fit
+            kv, cap = fleet.kv[i], fleet.cap[i]
+            if kv + need > cap:
+                url = fleet.urls[i]
+                releases = self._kv.get(url)
+                if releases is not None and releases.lives:
+                    wait = waits[i]
+                    over = releases.wait(kv + need - cap, now, wait, self._tpot.get(url, self.default_tpot_s))
                     if over > wait:
-                        wait = over
-            if wait > 0.0:
-                busy += 1
-            bases.append(wait + decode)
-        full = self.prefill_tokens(prompt, 0.0) * inv_prefill
+                        if not wait > 0.0:
+                            busy += 1
+                        bases[i] = over + decode[i]
+        full = self.prefill_tokens(prompt, 0.0) * self._inv_prefill
         self.last_weight = weight = self.weight(busy, len(bases), now)
         return _Backlogs(prompt, full, output, now, bases, weight, hit_at)
 
@@ -539,10 +518,12 @@ class Cost(Policy):
             book = self._booked(live.url)
             book.kv = max(book.kv - live.footprint, 0.0)
 
-    def _booked(self, url: str) -> _Booked:
+    def _booked(self, url: str) -> Booked:
+        """``url``'s bookings, to change them (so its backlog row is recomputed)."""
+        self._rows.touch(url)
         book = self._book.get(url)
         if book is None:
-            book = self._book[url] = _Booked()
+            book = self._book[url] = Booked()
         return book
 
     def _unqueue(self, live: _Live) -> None:
@@ -559,6 +540,7 @@ class Cost(Policy):
             self.feed.remove(worker.url)
         self.index.remove_worker(worker.url)
         self._book.pop(worker.url, None)
+        self._rows.touch(worker.url)
         self._kv.pop(worker.url, None)
         self._tpot.pop(worker.url, None)
 

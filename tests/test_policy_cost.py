@@ -13,6 +13,7 @@ from policies.base import EngineLoad, Hold, Outcome, RequestView, WorkerView
 from policies.block_index import BlockIndex
 from policies.cost import Cost
 from policies.loader import load_policy
+from policies.prefix_index import IndexMatch, Tiers
 from wire.hashing import page_hashes
 from wire.kv_events import BlockStored
 
@@ -443,3 +444,153 @@ def test_kv_release_schedule_answers_as_the_full_sort_does(data):
             tpot = data.draw(st.sampled_from([0.01, 0.03]), label="tpot")
             now += data.draw(st.floats(0, 2, allow_nan=False), label="time passes")
             assert releases.wait(over, now, wait, tpot) == _walk(releases.lives.values(), over, now, wait, tpot)
+
+
+class _BusyProbe(Cost):
+    """``cost`` that keeps the busy count its last decision weighed."""
+
+    def weight(self, busy: int, workers: int, now: float) -> float:
+        self.busy = busy
+        return super().weight(busy, workers, now)
+
+
+def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
+    """Every worker's backlog recomputed from the bookings and reports, as ``cost`` did on
+    every decision before ``FleetBacklog`` kept rows (the engine's waiting requests priced
+    at the average prefill when that report was first seen: ``avg_at``). Returns the bases,
+    the hit states and the busy count."""
+    from policies.fleet_backlog import IDLE
+
+    prompt = float(request.prompt_tokens_estimate)
+    inv_prefill, tps = 1.0 / policy.prefill_tps, policy.prefill_tps
+    need = prompt + 0.5 * policy._out_ratio * float(request.max_tokens)
+    scale = prompt / match.query_len if match.unit != "tokens" else 1.0
+    hits, bases, busy = {}, [], 0
+    for w in workers:
+        url, load = w.url, w.load
+        book = policy._book.get(url, IDLE)
+        queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
+        if load is not None:
+            if policy.engine_load != "off":
+                backlog = load.waiting * avg_at.setdefault((url, repr(load)), policy._avg_uncached)
+                if policy.engine_load == "drain":
+                    backlog -= (now - load.timestamp) * tps
+                queued, running = max(queued, backlog), max(running, load.running)
+            capacity, kv = load.max_tokens, max(kv, load.used_tokens)
+        wait, decode = queued * inv_prefill, running * policy.decode_cost_s
+        if kv and policy.memory:
+            capacity = capacity or w.server_info.get("max_total_num_tokens") or 0
+        else:
+            capacity = 0
+        if url in match.hits and url not in hits:
+            t = match.hits[url]
+            hits[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)), (wait, decode, kv, capacity))
+        releases = policy._kv.get(url)
+        if capacity and kv + need > capacity and releases is not None and releases.lives:
+            wait = max(wait, releases.wait(kv + need - capacity, now, wait, policy._tpot.get(url, policy.default_tpot_s)))
+        busy += wait > 0.0
+        bases.append(wait + decode)
+    return bases, hits, busy
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
+    """``FleetBacklog`` recomputes a worker's row only when its bookings or report change and
+    re-prices draining engine queues and KV waits per decision; whatever happens in between
+    (routings, first tokens, completions, polls, new server_info, time passing, another list
+    of workers), every decision must see what recomputing everything gives."""
+    clock = _SteppingClock(0.0)
+    policy = _BusyProbe(index="approx", prefill_tokens_per_s=5_000,
+                        engine_load=data.draw(st.sampled_from(["drain", "max", "off"]), label="engine_load"),
+                        memory=data.draw(st.booleans(), label="memory"))
+    n = data.draw(st.integers(1, 4), label="workers")
+    fleet = [WorkerView(f"http://127.0.0.1:{8400 + i}", server_info={"max_total_num_tokens": 3000}) for i in range(n)]
+    avg_at: dict = {}
+    live: list[tuple[RequestView, WorkerView]] = []
+    size = st.integers(1, 2000)
+    import policies.cost as cost_module
+
+    real_time, cost_module.time = cost_module.time, clock
+    try:
+        for step in range(data.draw(st.integers(1, 30), label="steps")):
+            op = data.draw(st.sampled_from(["route", "route", "first", "end", "poll", "poll", "info", "remove",
+                                            "decide", "decide", "decide", "decide"]), label="op")
+            w = fleet[data.draw(st.integers(0, n - 1), label="worker")]
+            if op == "route":
+                r = RequestView(f"r{step}", "/generate", token_ids=[1] * data.draw(size, label="prompt"),
+                                max_tokens=data.draw(st.integers(1, 500), label="max_tokens"))
+                policy.on_routed(r, w)
+                if data.draw(st.booleans(), label="started at once"):
+                    policy.on_first_token(r, w)
+                live.append((r, w))
+            elif op in ("first", "end") and live:
+                r, at = live[data.draw(st.integers(0, len(live) - 1), label="which")]
+                if op == "first":
+                    policy.on_first_token(r, at)
+                else:
+                    live.remove((r, at))
+                    policy.on_complete(r, at, Outcome(ok=True, completion_tokens=data.draw(st.integers(0, 500))))
+            elif op == "poll":
+                age = data.draw(st.sampled_from([0.0, 0.01]) | st.floats(0, 0.5), label="poll age")
+                w.load = None if data.draw(st.integers(0, 5)) == 0 else EngineLoad(
+                    running=data.draw(st.integers(0, 9)), waiting=data.draw(st.integers(0, 6)),
+                    used_tokens=data.draw(st.integers(0, 3000)), max_tokens=data.draw(st.sampled_from([0, 2500, 3000])),
+                    timestamp=clock.now - age - step * 1e-6)
+            elif op == "info":
+                w.server_info = {"max_total_num_tokens": data.draw(st.sampled_from([0, 1500, 3000]))}
+            elif op == "remove":  # the worker leaves (its bookings are forgotten) and comes back
+                policy.on_worker_removed(w)
+                live = [(r, at) for r, at in live if at is not w]
+            else:
+                dt = data.draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, -0.2]) | st.floats(0, 1), label="time passes")
+                # Back, too (a clock the test steps), but never before a report was taken.
+                clock.now = max([clock.now + dt] + [v.load.timestamp for v in fleet if v.load is not None])
+                chosen = data.draw(st.permutations(fleet), label="order")[:data.draw(st.integers(1, n))]
+                if data.draw(st.integers(0, 9), label="a worker listed twice") == 0:
+                    chosen.append(chosen[0])
+                probe = RequestView(f"p{step}", "/generate", text="x" * data.draw(size, label="probe"),
+                                    max_tokens=data.draw(st.integers(1, 500)))
+                held = {v.url: Tiers(*data.draw(st.tuples(size, size, size))) for v in chosen
+                        if data.draw(st.integers(0, 3)) > 0}
+                if data.draw(st.booleans(), label="a hit on a worker not offered"):
+                    held["http://127.0.0.1:9"] = Tiers(5)
+                match = IndexMatch(data.draw(st.integers(1, 4000)), "chars", held)
+                want = _backlogs_by_definition(policy, probe, chosen, match, clock.now, avg_at)
+                b = policy._backlogs(probe, chosen, match)
+                assert (b.bases, b.hits, policy.busy) == want
+    finally:
+        cost_module.time = real_time
+
+
+def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch):
+    """The two changes a decision notices without being told: a worker with no load report
+    takes its KV capacity from ``server_info`` (replaced when the gateway refreshes it), and
+    an engine queue that had drained drains again if the clock is set back (tests do)."""
+    clock = _SteppingClock(0.0)
+    monkeypatch.setattr("policies.cost.time", clock)
+    policy = _BusyProbe(index="approx", prefill_tokens_per_s=5_000)
+    w = WorkerView("http://127.0.0.1:8500", server_info={"max_total_num_tokens": 3000})
+    booked = RequestView("b", "/generate", token_ids=[1] * 1000, max_tokens=400)
+    policy.on_routed(booked, w)
+    policy.on_first_token(booked, w)
+    avg_at: dict = {}
+
+    def decide() -> list[float]:
+        probe = RequestView(f"p{clock.now}", "/generate", text="x" * 800, max_tokens=100)
+        b = policy._backlogs(probe, [w], IndexMatch(800, "chars"))
+        assert (b.bases, b.hits, policy.busy) == _backlogs_by_definition(
+            policy, probe, [w], IndexMatch(800, "chars"), clock.now, avg_at)
+        return b.bases
+
+    fits = decide()
+    w.server_info = {"max_total_num_tokens": 1000}  # the worker came back with a smaller pool
+    assert decide()[0] > fits[0] + 1.0  # it now waits for the booked request's KV
+    w.server_info = {"max_total_num_tokens": 3000}
+    w.load = EngineLoad(waiting=4, timestamp=clock.now)
+    policy._avg_uncached = 2_500.0  # 10k tokens reported queued: 2 s at 5k tokens/s
+    draining = decide()[0]
+    clock.now += 10.0
+    settled = decide()[0]
+    clock.now -= 9.5
+    assert settled < decide()[0] < draining

@@ -1,0 +1,209 @@
+"""Each worker's backlog as ``cost`` prices it, kept from one decision to the next.
+
+Every decision needs every worker's queue wait and decode load, since the cheapest miss is
+the least backlog. Recomputing them from this gateway's bookings and the engines' reports
+was half of a decision with 64 workers (~30 us of ~75, bench/decision_cost.py). Between two
+decisions almost none of it changes: a routing, a first token or a completion moves one
+worker's bookings, a load poll replaces one worker's report. So a worker's row is computed
+when one of those changes, and a decision reads the rows and re-prices only what moves with
+the clock: an engine-reported queue that is still draining (``engine_load=drain``), and
+the KV wait on the few workers the request would not fit on (left to ``cost``, which holds
+the release schedules; ``Fleet.tight`` finds those workers by bisection).
+
+The engine's waiting requests are priced at ``cost``'s average prefill per request as it
+was when this worker's report was first seen (``avg``), not as it drifts after every
+routing: the report counts requests queued before it, and the drift would otherwise touch
+every row on every decision.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import compress, count
+from operator import attrgetter, is_not
+
+from policies.base import EngineLoad, WorkerView
+
+_load = attrgetter("load")
+_NO_INFO: Mapping = {}
+
+
+@dataclass(slots=True)
+class Booked:
+    """What this gateway has sent one worker and not yet seen finish."""
+
+    queued: float = 0.0  # prefill work before first tokens, in linear-token equivalents
+    decoding: int = 0  # requests past their first token
+    kv: float = 0.0  # KV tokens its live requests hold (sum of their footprints)
+
+
+IDLE = Booked()  # read-only stand-in for a worker with nothing booked
+
+
+@dataclass(slots=True)
+class Pricing:
+    """What turns bookings and reports into seconds (``cost``'s constants)."""
+
+    prefill_tps: float
+    inv_prefill: float  # 1 / prefill_tps, the factor every wait is computed with
+    decode_cost_s: float
+    engine_load: str  # drain | max | off
+    memory: bool
+
+
+@dataclass(slots=True, eq=False)
+class Fleet:
+    """The rows of one list of workers, by position in it.
+
+    ``wait`` and ``base`` (wait + decode) are the settled values: for a position in
+    ``draining`` the engine's reported queue still exceeds the booked one at the last
+    decision, and the decision prices it from ``engine`` and ``reported_at``."""
+
+    views: list[WorkerView]
+    urls: list[str]
+    pos: dict[str, int]
+    loads: list[EngineLoad | None]
+    infos: list[Mapping]  # server_info each row read its capacity from (see ``from_info``)
+    queued: list[float]
+    engine: list[float]  # the engine's reported queue, in tokens, at its report
+    reported_at: list[float]
+    decode: list[float]
+    kv: list[float]
+    cap: list[float]  # KV capacity, 0 where no KV wait is priced
+    wait: list[float]
+    base: list[float]
+    draining: set[int] = field(default_factory=set)
+    headroom: list[tuple[float, int]] = field(default_factory=list)  # (cap - kv, position), sorted
+    busy: int = 0  # settled positions with a wait
+    from_info: set[int] = field(default_factory=set)  # capacity from server_info (no load figure)
+    dirty: set[str] = field(default_factory=set)  # urls whose bookings changed
+    now: float = float("-inf")  # the last decision's clock
+
+    def tight(self, need: float) -> list[tuple[float, int]]:
+        """Positions with less KV room than ``need`` (and a few just above, for rounding)."""
+        return self.headroom[:bisect_left(self.headroom, (need + 1.0,))]
+
+
+class FleetBacklog:
+    """Rows for the last few worker lists (``max_fleets``: unified workers, PD prefills),
+    refreshed on each decision from what changed since the last."""
+
+    def __init__(self, pricing: Pricing, book: Mapping[str, Booked], avg: Callable[[], float],
+                 max_fleets: int = 4) -> None:
+        self.pricing = pricing
+        self.book = book
+        self.avg = avg
+        self.max_fleets = max_fleets
+        self._fleets: list[Fleet] = []
+        self._avg_at: dict[str, tuple[EngineLoad, float]] = {}  # url -> (report, avg when first seen)
+
+    def touch(self, url: str) -> None:
+        """``url``'s bookings changed."""
+        for fleet in self._fleets:
+            fleet.dirty.add(url)
+
+    def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
+        """The rows of ``workers``, current as of ``now``."""
+        views = workers if type(workers) is list else list(workers)
+        fleet = next((f for f in self._fleets if f.views == views), None)
+        if fleet is not None and fleet is not self._fleets[0]:
+            self._fleets.remove(fleet)
+            self._fleets.insert(0, fleet)
+        if fleet is None or now < fleet.now:  # a new list, or a clock that went back
+            if fleet is not None:
+                self._fleets.remove(fleet)
+            fleet = self._build(views)
+            self._fleets.insert(0, fleet)
+            del self._fleets[self.max_fleets:]
+        else:
+            # ``views`` equals ``fleet.views`` (by value where they are not the same objects)
+            loads = list(map(_load, fleet.views))
+            if loads != fleet.loads:  # a poll replaced some reports (equal ones count as unchanged)
+                for i in compress(count(), map(is_not, loads, fleet.loads)):
+                    self._row(fleet, i)
+            for i in [i for i in fleet.from_info if fleet.views[i].server_info is not fleet.infos[i]]:
+                self._row(fleet, i)
+            if fleet.dirty:
+                if len(fleet.pos) == len(fleet.urls):
+                    for url in fleet.dirty:
+                        i = fleet.pos.get(url)
+                        if i is not None:
+                            self._row(fleet, i)
+                else:  # a url listed twice: each of its places
+                    for i in [i for i, url in enumerate(fleet.urls) if url in fleet.dirty]:
+                        self._row(fleet, i)
+                fleet.dirty.clear()
+        fleet.now = now
+        if fleet.draining:
+            tps = self.pricing.prefill_tps
+            for i in [i for i in fleet.draining
+                      if fleet.engine[i] - (now - fleet.reported_at[i]) * tps <= fleet.queued[i]]:
+                fleet.draining.discard(i)  # drained below the booked queue: settled
+                if fleet.wait[i] > 0.0:
+                    fleet.busy += 1
+        return fleet
+
+    def _build(self, views: list[WorkerView]) -> Fleet:
+        n = len(views)
+        urls = [w.url for w in views]
+        pos: dict[str, int] = {}
+        for i, url in enumerate(urls):
+            pos.setdefault(url, i)  # a url listed twice: its first place, as hits are found
+        fleet = Fleet(views, urls, pos, [None] * n, [_NO_INFO] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+                      [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+        for i in range(n):
+            self._row(fleet, i, fresh=True)
+        return fleet
+
+    def _row(self, fleet: Fleet, i: int, fresh: bool = False) -> None:
+        """Recompute position ``i`` from its worker's bookings and report (the arithmetic
+        ``cost`` priced every worker with on every decision)."""
+        p = self.pricing
+        w = fleet.views[i]
+        url, load = w.url, w.load
+        if not fresh:  # take the old row out of the aggregates
+            if i in fleet.draining:
+                fleet.draining.discard(i)
+            elif fleet.wait[i] > 0.0:
+                fleet.busy -= 1
+            if fleet.cap[i]:
+                fleet.headroom.remove((fleet.cap[i] - fleet.kv[i], i))
+        book = self.book.get(url, IDLE)
+        queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
+        engine, reported_at = 0.0, 0.0
+        if load is not None:
+            if p.engine_load != "off":  # traffic this gateway did not route still occupies the engine
+                seen = self._avg_at.get(url)
+                if seen is None or seen[0] != load:  # a new report (by value: it carries its time)
+                    seen = self._avg_at[url] = (load, self.avg())
+                backlog = load.waiting * seen[1]
+                if p.engine_load == "drain":  # priced per decision while it exceeds the booked queue
+                    engine, reported_at = backlog, load.timestamp
+                elif backlog > queued:
+                    queued = backlog
+                if load.running > running:
+                    running = load.running
+            capacity = load.max_tokens
+            if load.used_tokens > kv:
+                kv = load.used_tokens
+        fleet.from_info.discard(i)
+        if kv and p.memory:  # nothing held: nothing to wait for
+            if not capacity:
+                fleet.infos[i] = w.server_info
+                fleet.from_info.add(i)
+                capacity = w.server_info.get("max_total_num_tokens") or 0
+        else:
+            capacity = 0
+        wait, decode = queued * p.inv_prefill, running * p.decode_cost_s
+        fleet.loads[i] = load
+        fleet.queued[i], fleet.engine[i], fleet.reported_at[i] = queued, engine, reported_at
+        fleet.decode[i], fleet.kv[i], fleet.cap[i] = decode, kv, capacity
+        fleet.wait[i], fleet.base[i] = wait, wait + decode
+        if engine > queued:  # the decision checks whether it has drained yet
+            fleet.draining.add(i)
+        elif wait > 0.0:
+            fleet.busy += 1
+        if capacity:
+            insort(fleet.headroom, (capacity - kv, i))
