@@ -107,10 +107,14 @@ class FleetBacklog:
     def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
         """The rows of ``workers``, current as of ``now``."""
         views = workers if type(workers) is list else list(workers)
-        fleet = next((f for f in self._fleets if f.views == views), None)
-        if fleet is not None and fleet is not self._fleets[0]:
-            self._fleets.remove(fleet)
-            self._fleets.insert(0, fleet)
+        fleets = self._fleets
+        if fleets and fleets[0].views == views:  # the same objects: compared by identity, in C
+            fleet: Fleet | None = fleets[0]
+        else:
+            fleet = next((f for f in fleets if f.views == views), None)
+            if fleet is not None:  # most recently used first
+                fleets.remove(fleet)
+                fleets.insert(0, fleet)
         if fleet is None or now < fleet.now:  # a new list, or a clock that went back
             if fleet is not None:
                 self._fleets.remove(fleet)
@@ -123,8 +127,9 @@ class FleetBacklog:
             if loads != fleet.loads:  # a poll replaced some reports (equal ones count as unchanged)
                 for i in compress(count(), map(is_not, loads, fleet.loads)):
                     self._row(fleet, i)
-            for i in [i for i in fleet.from_info if fleet.views[i].server_info is not fleet.infos[i]]:
-                self._row(fleet, i)
+            if fleet.from_info:
+                for i in [i for i in fleet.from_info if fleet.views[i].server_info is not fleet.infos[i]]:
+                    self._row(fleet, i)
             if fleet.dirty:
                 if len(fleet.pos) == len(fleet.urls):
                     for url in fleet.dirty:

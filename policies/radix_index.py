@@ -85,6 +85,8 @@ class RadixIndex:
         self._tenant_units: dict[str, int] = {}
         self.evicted_units = 0
         self._last_key: tuple | None = None
+        self._wanted_of: list[WorkerView] = []  # the workers the last match was for
+        self._wanted: set[str] = set()  # and their urls
 
     # -- keys ---------------------------------------------------------------------------
     def _key(self, request: RequestView) -> tuple[str, int, Unit]:
@@ -128,7 +130,9 @@ class RadixIndex:
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         key, skip, unit = self._key(request)
         result = IndexMatch(len(key) - skip, unit)
-        wanted = set(map(_url, workers))
+        if workers != self._wanted_of:  # usually the same worker objects: compared by identity, in C
+            self._wanted_of, self._wanted = list(workers), set(map(_url, workers))
+        wanted = self._wanted
         hits = result.hits
         # Tenants only shrink going down a path, so the deepest node holding a tenant is
         # where its match ends.
