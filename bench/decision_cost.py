@@ -207,53 +207,71 @@ def main() -> None:
                        timed(lambda r, _w: page_keys(r.token_ids, ps, seed(None)), hash_reqs, workers)))
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
-    # A saturated fleet: every engine's KV pool full and this gateway's requests running on
-    # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests),
-    # their prompts together as large as the pool; an eighth are still queued for prefill.
-    # Between two decisions (untimed) a decision's worth of traffic happens: one request
-    # ends, one is routed, one reaches its first token, so the decision also pays for
-    # updating those workers' release schedules (policies/kv_release.py).
-    for live in args.live:
-        full_load = [WorkerView(w.url, in_flight=w.in_flight, server_info=info,
-                                load=EngineLoad(running=live, waiting=0, used_tokens=399_950, max_tokens=400_000,
-                                                timestamp=time.monotonic()))
-                     for w in workers]
-        saturated = Cost(index=radix)
+    def with_traffic(fleet: list[WorkerView], live: int, held: int, tag: str, polls: bool = False
+                     ) -> tuple[list[float], list[float]]:
+        """``cost`` (approx index) with ``live`` requests of ``held`` prompt tokens booked
+        per worker, an eighth still queued for prefill. Between two decisions (untimed) a
+        decision's worth of traffic happens: one request ends, one is routed, one reaches its
+        first token, and with ``polls`` one worker's load report is replaced by what this
+        gateway's bookings there amount to (the gateway polls each every 0.5 s: 128 reports/s
+        for 64 workers), so the decision also pays for the rows and release schedules those
+        change (policies/fleet_backlog.py, kv_release.py)."""
+        policy = Cost(index=radix)
         running: deque[tuple[RequestView, WorkerView]] = deque()
         queued: deque[tuple[RequestView, WorkerView]] = deque()
         traffic = random.Random(args.seed + live)
-        held = [7] * (390_000 // live)  # so that this gateway's bookings are what fills the pools
+        prompt = [7] * held
 
         def book(w: WorkerView, start: bool) -> None:
             r = RequestView(f"live-{len(running) + len(queued)}-{traffic.random()}", "/generate",
-                            token_ids=held, max_tokens=256)
-            saturated.on_routed(r, w)
+                            token_ids=prompt, max_tokens=256)
+            policy.on_routed(r, w)
             if start:
-                saturated.on_first_token(r, w)
+                policy.on_first_token(r, w)
                 running.append((r, w))
             else:
                 queued.append((r, w))
 
-        for w in full_load:
+        for w in fleet:
             for k in range(live):
                 book(w, start=k % 8 != 0)
 
         def one_decisions_traffic() -> None:
             done, w = (running or queued).popleft()
-            saturated.on_complete(done, w, Outcome(ok=True, completion_tokens=128))
-            book(traffic.choice(full_load), start=False)
+            policy.on_complete(done, w, Outcome(ok=True, completion_tokens=128))
+            book(traffic.choice(fleet), start=False)
             first, w = queued.popleft()
-            saturated.on_first_token(first, w)
+            policy.on_first_token(first, w)
             running.append((first, w))
+            if polls:  # what that engine reports: this gateway's own traffic there
+                w = traffic.choice(fleet)
+                booked = policy._book[w.url]
+                w.load = EngineLoad(running=booked.decoding, waiting=sum(q is w for _, q in queued),
+                                    used_tokens=int(booked.kv), max_tokens=400_000, timestamp=time.monotonic())
 
         wall, cpu = [], []
-        for _, nxt in turns(f"m{live}-"):
+        for _, nxt in turns(tag):
             one_decisions_traffic()
-            w, c = timed(saturated.select, [nxt], full_load)
+            w, c = timed(policy.select, [nxt], fleet)
             wall += w
             cpu += c
+        return wall, cpu
+
+    # The fleet above, with traffic: what a decision costs in a gateway that is routing.
+    polled = [WorkerView(w.url, in_flight=w.in_flight, server_info=info, load=w.load) for w in workers]
+    results.append(row("cost select, approx index, 8 requests booked per worker, 3 bookings changed "
+                       "and 1 load report replaced between decisions", with_traffic(polled, 8, 2_000, "t", polls=True)))
+    # A saturated fleet: every engine's KV pool full and this gateway's requests running on
+    # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests),
+    # their prompts together as large as the pool.
+    for live in args.live:
+        full_load = [WorkerView(w.url, in_flight=w.in_flight, server_info=info,
+                                load=EngineLoad(running=live, waiting=0, used_tokens=399_950, max_tokens=400_000,
+                                                timestamp=time.monotonic()))
+                     for w in workers]
         results.append(row(f"cost select, approx index, KV full, {live} requests booked per worker "
-                           "(1/8 queued), 3 bookings changed between decisions", (wall, cpu)))
+                           "(1/8 queued), 3 bookings changed between decisions",
+                           with_traffic(full_load, live, 390_000 // live, f"m{live}-")))  # bookings fill the pools
     avg_tokens = statistics.mean(len(r.token_ids) for r in hash_reqs)
     reused = precise.chains.pages_reused / max(precise.chains.pages_reused + precise.chains.pages_hashed, 1)
 

@@ -174,14 +174,15 @@ class FleetBacklog:
             elif fleet.wait[i] > 0.0:
                 fleet.busy -= 1
             if fleet.cap[i]:
-                fleet.headroom.remove((fleet.cap[i] - fleet.kv[i], i))
+                headroom = fleet.headroom
+                del headroom[bisect_left(headroom, (fleet.cap[i] - fleet.kv[i], i))]
         book = self.book.get(url, IDLE)
         queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
         engine, reported_at = 0.0, 0.0
         if load is not None:
             if p.engine_load != "off":  # traffic this gateway did not route still occupies the engine
                 seen = self._avg_at.get(url)
-                if seen is None or seen[0] != load:  # a new report (by value: it carries its time)
+                if seen is None or (seen[0] is not load and seen[0] != load):  # a new report (by value)
                     seen = self._avg_at[url] = (load, self.avg())
                 backlog = load.waiting * seen[1]
                 if p.engine_load == "drain":  # priced per decision while it exceeds the booked queue
