@@ -219,13 +219,13 @@ class Cost(Policy):
         need = prompt + output
         fleet = self._rows.fleet(workers, now)
         bases, waits, decode, busy = fleet.base.copy(), fleet.wait, fleet.decode, fleet.busy
-        if fleet.draining:  # engine-reported queues longer than the booked ones, for now
-            waits = waits.copy()
-            tps, engine, at = self.prefill_tps, fleet.engine, fleet.reported_at
-            for i in fleet.draining:
-                waits[i] = wait = (engine[i] - (now - at[i]) * tps) * self._inv_prefill
+        draining = fleet.draining
+        if draining:  # engine-reported queues longer than the booked ones, for now
+            waits, done = waits.copy(), fleet.done
+            for i in draining:
+                waits[i] = wait = done[i] - now
                 bases[i] = wait + decode[i]
-            busy += len(fleet.draining)
+            busy += len(draining)
         hit_at: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
         if match.hits and not self.verifier.degraded:
             scale = 1.0

@@ -27,6 +27,7 @@ from operator import attrgetter, is_not
 from policies.base import EngineLoad, WorkerView
 
 _load = attrgetter("load")
+_INF = float("inf")
 _NO_INFO: Mapping = {}
 
 
@@ -59,7 +60,7 @@ class Fleet:
 
     ``wait`` and ``base`` (wait + decode) are the settled values: for a position in
     ``draining`` the engine's reported queue still exceeds the booked one at the last
-    decision, and the decision prices it from ``engine`` and ``reported_at``."""
+    decision, and the decision's wait there is ``done - now``."""
 
     views: list[WorkerView]
     urls: list[str]
@@ -67,8 +68,8 @@ class Fleet:
     loads: list[EngineLoad | None]
     infos: list[Mapping]  # server_info each row read its capacity from (see ``from_info``)
     queued: list[float]
-    engine: list[float]  # the engine's reported queue, in tokens, at its report
-    reported_at: list[float]
+    done: list[float]  # when the engine's reported queue drains at the prefill rate
+    until: list[float]  # about when that falls to the booked queue; inf where not draining
     decode: list[float]
     kv: list[float]
     cap: list[float]  # KV capacity, 0 where no KV wait is priced
@@ -141,11 +142,10 @@ class FleetBacklog:
                         self._row(fleet, i)
                 fleet.dirty.clear()
         fleet.now = now
-        if fleet.draining:
-            tps = self.pricing.prefill_tps
-            for i in [i for i in fleet.draining
-                      if fleet.engine[i] - (now - fleet.reported_at[i]) * tps <= fleet.queued[i]]:
+        if fleet.draining and min(fleet.until) <= now + 1e-6:  # some may have drained (in C)
+            for i in [i for i in fleet.draining if fleet.done[i] - now <= fleet.wait[i]]:
                 fleet.draining.discard(i)  # drained below the booked queue: settled
+                fleet.until[i] = _INF
                 if fleet.wait[i] > 0.0:
                     fleet.busy += 1
         return fleet
@@ -156,7 +156,7 @@ class FleetBacklog:
         pos: dict[str, int] = {}
         for i, url in enumerate(urls):
             pos.setdefault(url, i)  # a url listed twice: its first place, as hits are found
-        fleet = Fleet(views, urls, pos, [None] * n, [_NO_INFO] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+        fleet = Fleet(views, urls, pos, [None] * n, [_NO_INFO] * n, [0.0] * n, [0.0] * n, [_INF] * n,
                       [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
         for i in range(n):
             self._row(fleet, i, fresh=True)
@@ -171,6 +171,7 @@ class FleetBacklog:
         if not fresh:  # take the old row out of the aggregates
             if i in fleet.draining:
                 fleet.draining.discard(i)
+                fleet.until[i] = _INF
             elif fleet.wait[i] > 0.0:
                 fleet.busy -= 1
             if fleet.cap[i]:
@@ -178,7 +179,7 @@ class FleetBacklog:
                 del headroom[bisect_left(headroom, (fleet.cap[i] - fleet.kv[i], i))]
         book = self.book.get(url, IDLE)
         queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
-        engine, reported_at = 0.0, 0.0
+        done = -_INF
         if load is not None:
             if p.engine_load != "off":  # traffic this gateway did not route still occupies the engine
                 seen = self._avg_at.get(url)
@@ -186,7 +187,8 @@ class FleetBacklog:
                     seen = self._avg_at[url] = (load, self.avg())
                 backlog = load.waiting * seen[1]
                 if p.engine_load == "drain":  # priced per decision while it exceeds the booked queue
-                    engine, reported_at = backlog, load.timestamp
+                    if backlog > 0.0:
+                        done = load.timestamp + backlog * p.inv_prefill
                 elif backlog > queued:
                     queued = backlog
                 if load.running > running:
@@ -204,11 +206,12 @@ class FleetBacklog:
             capacity = 0
         wait, decode = queued * p.inv_prefill, running * p.decode_cost_s
         fleet.loads[i] = load
-        fleet.queued[i], fleet.engine[i], fleet.reported_at[i] = queued, engine, reported_at
+        fleet.queued[i], fleet.done[i] = queued, done
         fleet.decode[i], fleet.kv[i], fleet.cap[i] = decode, kv, capacity
         fleet.wait[i], fleet.base[i] = wait, wait + decode
-        if engine > queued:  # the decision checks whether it has drained yet
+        if done > -_INF:  # the next decision checks whether it has drained yet
             fleet.draining.add(i)
+            fleet.until[i] = done - wait
         elif wait > 0.0:
             fleet.busy += 1
         if capacity:

@@ -462,22 +462,24 @@ def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
     from policies.fleet_backlog import IDLE
 
     prompt = float(request.prompt_tokens_estimate)
-    inv_prefill, tps = 1.0 / policy.prefill_tps, policy.prefill_tps
+    inv_prefill = 1.0 / policy.prefill_tps
     need = prompt + 0.5 * policy._out_ratio * float(request.max_tokens)
     scale = prompt / match.query_len if match.unit != "tokens" else 1.0
     hits, bases, busy = {}, [], 0
     for w in workers:
         url, load = w.url, w.load
         book = policy._book.get(url, IDLE)
-        queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
+        queued, running, kv, capacity, drained_at = book.queued, book.decoding, book.kv, 0, -math.inf
         if load is not None:
             if policy.engine_load != "off":
                 backlog = load.waiting * avg_at.setdefault((url, repr(load)), policy._avg_uncached)
-                if policy.engine_load == "drain":
-                    backlog -= (now - load.timestamp) * tps
-                queued, running = max(queued, backlog), max(running, load.running)
+                if policy.engine_load == "max":
+                    queued = max(queued, backlog)
+                elif backlog > 0:  # the reported queue drains at the prefill rate from its report
+                    drained_at = load.timestamp + backlog * inv_prefill
+                running = max(running, load.running)
             capacity, kv = load.max_tokens, max(kv, load.used_tokens)
-        wait, decode = queued * inv_prefill, running * policy.decode_cost_s
+        wait, decode = max(queued * inv_prefill, drained_at - now), running * policy.decode_cost_s
         if kv and policy.memory:
             capacity = capacity or w.server_info.get("max_total_num_tokens") or 0
         else:
@@ -586,6 +588,8 @@ def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch)
     fits = decide()
     w.server_info = {"max_total_num_tokens": 1000}  # the worker came back with a smaller pool
     assert decide()[0] > fits[0] + 1.0  # it now waits for the booked request's KV
+    w.server_info = {"max_total_num_tokens": 1400}  # 1200 booked + 250 for the probe: 50 short
+    assert decide()[0] > fits[0] + 1.0
     w.server_info = {"max_total_num_tokens": 3000}
     w.load = EngineLoad(waiting=4, timestamp=clock.now)
     policy._avg_uncached = 2_500.0  # 10k tokens reported queued: 2 s at 5k tokens/s
