@@ -25,9 +25,11 @@ requests are expected to finish, ``max_tokens`` after their first token at the w
 measured time per output token (``tpot_s`` until measured), for the share of ``max_tokens``
 that completed requests actually generated (EOS usually comes first; stat ``output_share``).
 ``memory=false`` turns it off.
-``engine_load``: the engines' own waiting counts (``/v1/loads``) stand in for traffic this
-gateway did not route; ``drain`` (default) discounts them by the work done since the poll,
-``max`` takes them as they are, ``off`` ignores them.
+``engine_load``: the engines' own waiting counts (``/v1/loads``), each at the average
+prefill per request when the report came, stand in for traffic this gateway did not route;
+``drain`` (default) discounts them by the work done since the poll, ``max`` takes them as
+they are, ``off`` ignores them. Each worker's backlog is kept across decisions
+(``policies.fleet_backlog``) and recomputed when its bookings or report change.
 
 Queued prefill work is booked when a request is routed (``on_routed``), moves to the
 decode count at its first token and is freed at completion, so a burst of requests sees

@@ -14,6 +14,10 @@ The engine's waiting requests are priced at ``cost``'s average prefill per reque
 was when this worker's report was first seen (``avg``), not as it drifts after every
 routing: the report counts requests queued before it, and the drift would otherwise touch
 every row on every decision.
+
+With a gateway's traffic between decisions the saving shrinks (bench/RESULTS.md, "Routing
+decision cost"): a decision still reads every worker's report to find the replaced ones,
+and recomputes the rows its traffic changed.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ class FleetBacklog:
         if fleet is None or now < fleet.now:  # a new list, or a clock that went back
             if fleet is not None:
                 self._fleets.remove(fleet)
-            fleet = self._build(views)
+            fleet = self._build(list(views))  # a copy: the caller may reuse its list
             self._fleets.insert(0, fleet)
             del self._fleets[self.max_fleets:]
         else:

@@ -510,6 +510,7 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
     fleet = [WorkerView(f"http://127.0.0.1:{8400 + i}", server_info={"max_total_num_tokens": 3000}) for i in range(n)]
     avg_at: dict = {}
     live: list[tuple[RequestView, WorkerView]] = []
+    standing = list(fleet)
     size = st.integers(1, 2000)
     import policies.cost as cost_module
 
@@ -549,6 +550,10 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                 # Back, too (a clock the test steps), but never before a report was taken.
                 clock.now = max([clock.now + dt] + [v.load.timestamp for v in fleet if v.load is not None])
                 chosen = data.draw(st.permutations(fleet), label="order")[:data.draw(st.integers(1, n))]
+                if data.draw(st.booleans(), label="the last list, reordered in place"):
+                    chosen = standing
+                    chosen.reverse()
+                standing = chosen
                 if data.draw(st.integers(0, 9), label="a worker listed twice") == 0:
                     chosen.append(chosen[0])
                 probe = RequestView(f"p{step}", "/generate", text="x" * data.draw(size, label="probe"),
