@@ -10,8 +10,10 @@ does) and matches prompts by page keys; a prompt's keys are computed once per re
 the gateway does) and reported both included ("select") and excluded ("index walk"), since
 they grow with prompt length and not with fleet size. SHA-256 page hashing, which the index
 needs only for blocks reported without token ids, is timed alone and as that fallback.
-The last rows (``--live``) time ``cost`` on a saturated fleet: every engine's KV pool full
-and N of this gateway's requests running on each worker, so it prices a KV wait everywhere.
+The last rows time ``cost`` with a routing gateway's traffic between decisions (bookings
+changing, load reports replaced), and (``--live``) on a saturated fleet: every engine's KV
+pool full and N of this gateway's requests running on each worker, so it prices a KV wait
+everywhere.
 
     PYTHONPATH=$PWD python bench/decision_cost.py [--workers 64 --blocks 1000000]
 """
