@@ -233,12 +233,12 @@ class Cost(Policy):
             scale = 1.0
             if match.unit != "tokens":
                 scale = prompt / match.query_len if match.query_len else 0.0
-            pos, kv, cap = fleet.pos, fleet.kv, fleet.cap
+            pos, kvs, caps = fleet.pos, fleet.kv, fleet.cap
             for url, t in match.hits.items():
                 i = pos.get(url)
                 if i is not None:
                     hit_at[url] = (i, t if scale == 1.0 else Tiers(*(x * scale for x in t)),
-                                   (waits[i], decode[i], kv[i], cap[i]))
+                                   (waits[i], decode[i], kvs[i], caps[i]))
         for _, i in fleet.tight(need):  # the KV wait, where this request does not fit
             kv, cap = fleet.kv[i], fleet.cap[i]
             if kv + need > cap:
