@@ -182,8 +182,7 @@ class Cost(Policy):
         self._book: dict[str, Booked] = {}  # per worker: what this gateway sent it
         self._avg_uncached = 0.0
         self._inv_prefill = 1.0 / self.prefill_tps
-        self._rows = FleetBacklog(Pricing(self.prefill_tps, self._inv_prefill, self.decode_cost_s,
-                                          self.engine_load, self.memory),
+        self._rows = FleetBacklog(Pricing(self._inv_prefill, self.decode_cost_s, self.engine_load, self.memory),
                                   self._book, lambda: self._avg_uncached)
         self._avg_max_new = 256.0
         self._out_ratio = 1.0  # completion tokens / max_tokens, learned from completions

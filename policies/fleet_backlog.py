@@ -51,8 +51,7 @@ IDLE = Booked()  # read-only stand-in for a worker with nothing booked
 class Pricing:
     """What turns bookings and reports into seconds (``cost``'s constants)."""
 
-    prefill_tps: float
-    inv_prefill: float  # 1 / prefill_tps, the factor every wait is computed with
+    inv_prefill: float  # 1 / prefill tokens per second, the factor every wait is computed with
     decode_cost_s: float
     engine_load: str  # drain | max | off
     memory: bool

@@ -456,9 +456,9 @@ class _BusyProbe(Cost):
 
 def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
     """Every worker's backlog recomputed from the bookings and reports, as ``cost`` did on
-    every decision before ``FleetBacklog`` kept rows (the engine's waiting requests priced
-    at the average prefill when that report was first seen: ``avg_at``). Returns the bases,
-    the hit states and the busy count."""
+    every decision before ``FleetBacklog`` kept rows (a reported queue's drain written as
+    the time it ends, and its waiting requests priced at the average prefill when that
+    report was first seen: ``avg_at``). Returns the bases, the hit states and the busy count."""
     from policies.fleet_backlog import IDLE
 
     prompt = float(request.prompt_tokens_estimate)
