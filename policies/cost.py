@@ -241,15 +241,12 @@ class Cost(Policy):
         for _, i in fleet.tight(need):  # the KV wait, where this request does not fit
             kv, cap = fleet.kv[i], fleet.cap[i]
             if kv + need > cap:
-                url = fleet.urls[i]
-                releases = self._kv.get(url)
-                if releases is not None and releases.lives:
-                    wait = waits[i]
-                    over = releases.wait(kv + need - cap, now, wait, self._tpot.get(url, self.default_tpot_s))
-                    if over > wait:
-                        if not wait > 0.0:
-                            busy += 1
-                        bases[i] = over + decode[i]
+                wait = waits[i]
+                over = self.memory_wait(fleet.urls[i], kv + need - cap, now, wait)
+                if over > wait:
+                    if not wait > 0.0:
+                        busy += 1
+                    bases[i] = over + decode[i]
         full = self.prefill_tokens(prompt, 0.0) * self._inv_prefill
         self.last_weight = weight = self.weight(busy, len(bases), now)
         return _Backlogs(prompt, full, output, now, bases, weight, hit_at)
