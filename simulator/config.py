@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model-name", "--served-model-name", dest="model_name", default="sim-llama-8b")
     p.add_argument("--model-path", default=None, help="reported as model_path (default: the profile's)")
+    p.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
+                   help="a model directory (tokenizer.json + tokenizer_config.json) or tokenizer.json to tokenize "
+                        "and apply chat templates with, as SGLang does with the model's (default: one token per byte)")
+    p.add_argument("--chat-template", default=None, help="a .jinja chat template overriding the model's")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated seconds per wall second")
     p.add_argument("--page-size", type=int, default=64)

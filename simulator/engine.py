@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from wire.tokenizer import ByteTokenizer
+from wire.tokenizer import ByteTokenizer, load_tokenizer
 
 from .clock import SimClock
 from .config import version_tuple
@@ -78,7 +78,7 @@ class Engine:
               "chunked_prefill_size": args.chunked_prefill_size, "context_length": args.context_length}
         self.profile = get_profile(args.profile, **ov)
         self.model_path = args.model_path or self.profile.model_path
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = load_tokenizer(args.tokenizer, args.chat_template) if args.tokenizer else ByteTokenizer()
         self.page_size = args.page_size
         self.mode = args.disaggregation_mode
         self.engine_type = "unified" if self.mode == "null" else self.mode

@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from wire.chat_template import apply_chat_template
 
 from .engine import ApiError, Engine, Item
 from .http_common import DONE, ENGINE, json_response, open_sse, openai_error, sse
@@ -116,7 +115,7 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "messages must be a non-empty list")
-            prompts = [engine.tokenizer.encode(apply_chat_template(msgs))]
+            prompts = [_chat_ids(engine, body, msgs)]
         else:
             prompts = _prompts(engine, body.get("prompt"))
         stream = bool(body.get("stream"))
@@ -146,6 +145,23 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
         "created": int(time.time()), "model": body.get("model") or engine.args.model_name, "choices": choices,
         "usage": _usage(engine, results), "metadata": {"weight_version": "default"},
     })
+
+
+def _chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list[int]:
+    """As SGLang: the model's chat template, ``reasoning_effort`` and ``chat_template_kwargs``
+    as its variables, the text encoded without adding special tokens (``wire.tokenizer``);
+    a template that fails is the client's error."""
+    if not all(isinstance(m, dict) for m in messages):
+        raise ApiError(400, "each message must be an object")
+    kwargs = {} if body.get("reasoning_effort") is None else {"reasoning_effort": body["reasoning_effort"]}
+    extra = body.get("chat_template_kwargs")
+    kwargs.update(extra if isinstance(extra, dict) else {})
+    tools = None if body.get("tool_choice") == "none" else body.get("tools")
+    try:
+        chat = engine.tokenizer.render_chat(messages, tools, kwargs, bool(body.get("continue_final_message")))
+    except Exception as exc:
+        raise ApiError(400, f"chat template failed: {exc}") from None
+    return engine.tokenizer.encode_chat(chat)
 
 
 def _prompts(engine: Engine, prompt: Any) -> list[list[int]]:
