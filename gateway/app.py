@@ -21,6 +21,7 @@ from gateway.admission import Admission
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.drain import Drain
+from gateway.encoding import PromptEncoder
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.metrics import GatewayMetrics
@@ -52,7 +53,8 @@ class GatewayState:
         self.cfg = cfg
         self.metrics = GatewayMetrics()
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template)
+        self.encoder = PromptEncoder(tokenizer, cfg.tokenize_inline_chars) if tokenizer is not None else None
         self.policy = load_policy(cfg.policy, **cfg.policy_options)
         # One policy per worker role: unified workers use the main policy; in PD mode the
         # prefill side defaults to it (prefix hits live on prefill) and decode to least load.
@@ -100,6 +102,8 @@ class GatewayState:
             await policy.stop()
         if self.session is not None:
             await self.session.close()
+        if self.encoder is not None:
+            self.encoder.close()
 
     def _on_worker_event(self, event: str, worker: Any) -> None:
         self.metrics.healthy.labels(worker.url, worker.view.role).set(1 if worker.view.healthy else 0)
@@ -185,8 +189,8 @@ def generation_handler(route: str):
         if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
-        view = build_view(body, route, request.headers, request_id_from(request.headers), state.tokenizer,
-                          state.needs_prompt)
+        view = await build_view(body, route, request.headers, request_id_from(request.headers), state.encoder,
+                                state.needs_prompt)
         started = time.perf_counter()
         async with state.admission.slot():
             response = await state.proxy.forward(request, view, raw, body)

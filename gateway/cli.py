@@ -72,7 +72,12 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--cb-failure-threshold", type=int)
     g.add_argument("--cb-timeout-secs", type=float)
     g.add_argument("--load-poll-interval-secs", type=float)
-    g.add_argument("--tokenizer", help="'byte' (the simulator's) or a tokenizer.json path, for precise routing")
+    g.add_argument("--tokenizer", help="for precise routing: 'byte' (the simulator's), or the model's directory "
+                                       "(tokenizer.json + tokenizer_config.json with its chat template) or tokenizer.json")
+    g.add_argument("--chat-template", help="a .jinja chat template overriding the model's, as given to SGLang's "
+                                           "--chat-template")
+    g.add_argument("--tokenize-inline-chars", type=int,
+                   help="prompts longer than this are tokenized on a thread pool, off the event loop (default 2048)")
     g.add_argument("--shutdown-grace-secs", type=float)
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -161,6 +166,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_args += ["--profile", args.profile]
     if args.time_scale:
         engine_args += ["--time-scale", str(args.time_scale)]
+    if args.tokenizer and args.tokenizer != "byte":  # the simulated engines tokenize as that model would
+        engine_args += ["--tokenizer", args.tokenizer]
+        if args.chat_template:
+            engine_args += ["--chat-template", args.chat_template]
     if args.pd:
         cluster = SimCluster(workers=0, prefill=args.prefill_workers, decode=args.decode_workers,
                              engine_args=engine_args, kv_events=args.kv_events, pool=args.pool)

@@ -59,7 +59,9 @@ class GatewayConfig:
     cb_timeout_secs: float = 10.0
     load_poll_interval_secs: float = 0.5
     # routing inputs
-    tokenizer: str | None = None  # "byte" for the simulator, or a tokenizer.json path
+    tokenizer: str | None = None  # "byte" for the simulator, or a model directory / tokenizer.json path
+    chat_template: str | None = None  # a .jinja file overriding the model's (as SGLang's --chat-template)
+    tokenize_inline_chars: int = 2048  # longer prompts are tokenized on a thread, off the event loop
     strict_models: bool = True  # unknown model -> 404
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"

@@ -7,22 +7,19 @@ engine field can be lost or reordered.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import msgspec
 
+from gateway.encoding import PromptEncoder
 from gateway.errors import GatewayError
 from policies.base import RequestView
 from wire.chat_template import apply_chat_template
-from wire.tokenizer import Tokenizer
 
+log = logging.getLogger("kvgate.request")
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
-
-
-class _Message(msgspec.Struct):
-    role: str = "user"
-    content: Any = None
 
 
 class _Sampling(msgspec.Struct):
@@ -33,7 +30,12 @@ class _Sampling(msgspec.Struct):
 class Body(msgspec.Struct):
     model: str | None = None
     stream: bool = False
-    messages: list[_Message] | None = None
+    messages: list[dict[str, Any]] | None = None  # whole: a model's chat template may read any field
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Any = None
+    continue_final_message: bool = False
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked in parse_body
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] | list[list[int]]: checked in parse_body
@@ -85,6 +87,8 @@ def parse_body(raw: bytes, route: str) -> Body:
             raise GatewayError(400, "'model' is required", param="model")
         if not body.messages:
             raise GatewayError(400, "'messages' must be a non-empty list", param="messages")
+        if not all(isinstance(m.get("role", "user"), str) for m in body.messages):
+            raise GatewayError(400, "each message's 'role' must be a string", param="messages")
     elif route == COMPLETIONS:
         if not body.model:
             raise GatewayError(400, "'model' is required", param="model")
@@ -102,15 +106,33 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) and value else value
 
 
-def build_view(body: Body, route: str, headers: Any, request_id: str, tokenizer: Tokenizer | None,
-               with_prompt: bool = True) -> RequestView:
-    """``with_prompt=False`` skips the prompt text and token ids (no policy reads them)."""
+def _template_kwargs(body: Body) -> dict[str, Any]:
+    """What SGLang passes a chat template beyond the messages: ``reasoning_effort`` when
+    given, then the request's ``chat_template_kwargs`` (``enable_thinking`` and the like)."""
+    kwargs: dict[str, Any] = {} if body.reasoning_effort is None else {"reasoning_effort": body.reasoning_effort}
+    return {**kwargs, **(body.chat_template_kwargs or {})}
+
+
+async def build_view(body: Body, route: str, headers: Any, request_id: str, encoder: PromptEncoder | None,
+                     with_prompt: bool = True) -> RequestView:
+    """``with_prompt=False`` skips the prompt text and token ids (no policy reads them).
+    With an ``encoder`` the prompt is tokenized as the engine tokenizes it (``wire.tokenizer``)."""
     text: str | None = None
     token_ids: list[int] | None = None
     if not with_prompt:
         pass
+    elif route == CHAT and encoder is not None:
+        tools = None if body.tool_choice == "none" else body.tools
+        try:
+            chat = encoder.tokenizer.render_chat(body.messages or [], tools, _template_kwargs(body),
+                                                 body.continue_final_message)
+        except Exception as exc:  # the engine answers for its own template; routing goes on by text
+            log.debug("chat template failed for %s, routing without token ids: %r", request_id, exc)
+            text = apply_chat_template(body.messages or [])
+        else:
+            text, token_ids = chat.text, await encoder.chat(chat)
     elif route == CHAT:
-        text = apply_chat_template(msgspec.to_builtins(body.messages))
+        text = apply_chat_template(body.messages or [])
     elif route == COMPLETIONS:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -125,8 +147,8 @@ def build_view(body: Body, route: str, headers: Any, request_id: str, tokenizer:
             token_ids = ids[0] if ids and isinstance(ids[0], list) else ids  # type: ignore[assignment]
         else:
             text = _first(body.text)
-    if token_ids is None and text is not None and tokenizer is not None:
-        token_ids = tokenizer.encode(text)
+    if token_ids is None and text is not None and encoder is not None:
+        token_ids = await encoder.text(text)
     sp = _first(body.sampling_params)
     max_tokens = body.max_tokens or body.max_completion_tokens or (sp.max_new_tokens if sp else None)
     return RequestView(

@@ -31,9 +31,9 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 if [ "$WITH_TESTS" = 1 ]; then
-  .venv/bin/python -m pip install -q -e ".[mooncake,test]"
+  .venv/bin/python -m pip install -q -e ".[mooncake,hf,test]"
   PYTHON=.venv/bin/python bash engine_patches/install_sglang_cpu.sh
 else
-  .venv/bin/python -m pip install -q -e ".[mooncake]"
+  .venv/bin/python -m pip install -q -e ".[mooncake,hf]"
 fi
 echo "setup: ready (.venv/bin/kvgate)"

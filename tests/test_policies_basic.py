@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import pytest
@@ -82,11 +83,12 @@ def test_only_prompt_reading_policies_ask_for_the_prompt():
 
 
 def test_view_without_prompt_skips_template_and_tokenizer():
+    from gateway.encoding import PromptEncoder
     from gateway.request import CHAT, build_view, parse_body
     from wire.tokenizer import ByteTokenizer
 
     body = parse_body(b'{"model":"m","messages":[{"role":"user","content":"hello"}]}', CHAT)
-    full = build_view(body, CHAT, {}, "r", ByteTokenizer())
-    bare = build_view(body, CHAT, {}, "r", ByteTokenizer(), with_prompt=False)
+    full = asyncio.run(build_view(body, CHAT, {}, "r", PromptEncoder(ByteTokenizer())))
+    bare = asyncio.run(build_view(body, CHAT, {}, "r", PromptEncoder(ByteTokenizer()), with_prompt=False))
     assert full.text and full.token_ids and bare.text is None and bare.token_ids is None
     assert bare.model == "m"

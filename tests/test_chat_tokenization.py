@@ -1,0 +1,191 @@
+"""The gateway's token ids for a request are the engine's: text prompts with the model's
+special tokens added, chats through the model's Jinja template without them. Checked
+against the libraries SGLang itself calls (transformers' ``apply_chat_template`` and
+SGLang's own message clean-up functions), then end to end: a gateway and simulated
+engines that tokenize with a real BPE tokenizer must agree on every cached token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simulator.tiny_tokenizer import BOS, TEMPLATES, build
+from tests.support import Proc
+from wire.chat_template import detect_content_format, normalize_messages
+from wire.tokenizer import HFTokenizer, load_tokenizer
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: build(root / name, name) for name in TEMPLATES}
+
+
+def _reference(path: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def _ids(out) -> list[int]:
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+_text = st.lists(st.sampled_from(list("ab xyz,.!?\n\t{}\"'é€12") + ["the ", "tool ", "<|eot_id|>"]),
+                 max_size=20).map("".join)
+_part = st.one_of(st.builds(lambda t: {"type": "text", "text": t}, _text),
+                  st.just({"type": "image_url", "image_url": {"url": "http://x/y.png"}}))
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]),
+     "content": st.one_of(_text, st.none(), st.lists(_part, min_size=1, max_size=3))},
+    optional={"name": st.sampled_from(["fn", None])})
+_tools = st.one_of(st.none(), st.just([{"type": "function", "function": {
+    "name": "clock", "description": "the time", "parameters": {"type": "object", "properties": {}}}}]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(_message, min_size=1, max_size=5), tools=_tools,
+       thinking=st.sampled_from([None, True, False]), template=st.sampled_from(sorted(TEMPLATES)))
+def test_chat_ids_are_what_transformers_renders_and_encodes(models, messages, tools, thinking, template):
+    ours = HFTokenizer(str(models[template]))
+    reference = _reference(models[template])
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    prompt = ours.render_chat(messages, tools, kwargs)
+    chat, _ = normalize_messages(messages, ours.template.content_format)
+    expected = reference.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert prompt.text == expected
+    assert ours.encode_chat(prompt) == _ids(reference.apply_chat_template(
+        chat, tools=tools, tokenize=True, add_generation_prompt=True, **kwargs))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_text)
+def test_text_prompts_get_the_special_tokens_transformers_adds(models, text):
+    ours = HFTokenizer(str(models["llama3"]))
+    assert ours.encode(text) == _ids(_reference(models["llama3"]).encode(text))
+    assert ours.encode(text)[0] == ours.bos_token_id  # a Llama-style BOS, as SGLang's encode adds it
+
+
+def test_a_chat_starts_with_the_templates_bos_only(models):
+    ours = HFTokenizer(str(models["llama3"]))
+    ids = ours.encode_chat(ours.render_chat([{"role": "user", "content": "hi"}]))
+    assert ids[0] == ours.bos_token_id and ids.count(ours.bos_token_id) == 1
+
+
+def test_continued_assistant_text_is_appended_without_bos(models):
+    ours = HFTokenizer(str(models["llama3"]))
+    messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]
+    prompt = ours.render_chat(messages, continue_final_message=True)
+    assert prompt.continued == "one two" and "one two" not in prompt.text
+    assert ours.encode_chat(prompt) == ours.encode(prompt.text, add_special_tokens=False) + \
+        ours.encode("one two", add_special_tokens=False)
+    # without the flag SGLang turns the final assistant message into a user message
+    assert "<|start_header_id|>user<|end_header_id|>\n\none two" in ours.render_chat(messages).text
+
+
+def test_message_clean_up_matches_sglangs(models):
+    from tests.sglang_cpu import require
+
+    utils = require("sglang.srt.parser.jinja_template_utils")
+    for name, source in TEMPLATES.items():
+        assert detect_content_format(source) == utils.detect_jinja_template_content_format(source), name
+    samples = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}},
+                                     {"type": "text", "text": "b"}], "name": None},
+        {"role": "system", "content": "plain", "name": "x"},
+        {"role": "user", "content": [{"type": "input_text", "text": "c"}, {"type": "video_url",
+                                                                         "video_url": {"url": "v"}}]},
+    ]
+    for fmt in ("string", "openai"):
+        for msg in samples:
+            theirs = utils.process_content_for_template_format(dict(msg), fmt, [], [], [], [])
+            ours, _ = normalize_messages([msg], fmt)
+            assert ours == [theirs], (fmt, msg)
+    # a tool result's text parts (serving_chat's normalize_tool_content, which needs more of
+    # sglang than imports here): one string, joined by spaces, in either format
+    tool = {"role": "tool", "content": [{"type": "text", "text": "42"}, {"type": "text", "text": "!"}]}
+    assert normalize_messages([tool], "openai")[0] == normalize_messages([tool], "string")[0] == \
+        [{"role": "tool", "content": "42 !"}]
+
+
+def test_a_bare_tokenizer_json_falls_back_to_the_simulator_template(models, tmp_path):
+    bare = tmp_path / "tokenizer.json"
+    bare.write_bytes((models["llama3"] / "tokenizer.json").read_bytes())
+    tok = load_tokenizer(str(bare))
+    assert tok.render_chat([{"role": "user", "content": "hi"}]).text == "<|user|>\nhi\n<|assistant|>\n"
+    override = tmp_path / "t.jinja"
+    override.write_text("\n{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]\\n{% endfor %}end\n")
+    tok = load_tokenizer(str(models["llama3"]), str(override))  # read as SGLang reads --chat-template
+    assert tok.render_chat([{"role": "user", "content": "hi"}]).text == BOS + "[hi]\nend"
+
+
+def test_long_prompts_are_encoded_on_the_pool_with_the_same_ids(models):
+    from gateway.encoding import PromptEncoder
+
+    tok = HFTokenizer(str(models["chatml"]))
+    encoder = PromptEncoder(tok, inline_chars=100)
+    short, long = "the word " * 5, "the word " * 500
+    try:
+        got = asyncio.run(_both(encoder, short, long))
+    finally:
+        encoder.close()
+    assert got == [tok.encode(short), tok.encode(long)] and encoder.offloaded == 1
+
+
+async def _both(encoder, short: str, long: str) -> list[list[int]]:
+    return [await encoder.text(short), await encoder.text(long)]
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read()
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("policy", ["kv_events", "cost"])
+def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models, policy):
+    """``kvgate up --tokenizer DIR``: the simulated engines tokenize with the same model
+    directory, BOS on text prompts and the chat template's own tokens on chats; the
+    precise index's predictions must equal the cached tokens the engines report."""
+    from tests.support import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), "--kv-events", "--policy", policy,
+                       "--tokenizer", str(models["chatml"]), "--tokenize-inline-chars", "200", name="kvgate-up")
+    try:
+        proc.wait_http(base + "/v1/models", timeout=60)
+        model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+        cached = []
+        for conv in range(2):
+            messages = [{"role": "system", "content": f"conversation {conv}: " + "background word " * 60}]
+            for turn in range(3):
+                messages.append({"role": "user", "content": [{"type": "text", "text": f"question {turn} " * 20}]})
+                out = _post(base + "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 8,
+                                                             "chat_template_kwargs": {"enable_thinking": False}})
+                cached.append((turn, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
+                messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        for n in range(3):  # text prompts: BOS first, then a shared document
+            out = _post(base + "/v1/completions", {"model": model, "max_tokens": 4,
+                                                   "prompt": "shared document " * 80 + f"ask {n}"})
+            cached.append((n, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        stats = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'kvgate_policy_stat\{[^}]*stat="([a-z_]+)"\} ([0-9.e+-]+)', _get(base + "/metrics").decode())}
+    finally:
+        proc.stop()
+    assert all(c > 0 for turn, c in cached if turn > 0), cached
+    assert stats["fallback_requests_total"] == 0 and stats["hit_verified_requests_total"] == len(cached)
+    assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0, stats
