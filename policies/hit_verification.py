@@ -14,6 +14,13 @@ Engines under memory pressure also evict some predicted prefixes between routing
 prefill (on the Mooncake trace with 4 simulated workers, 30-70% of predicted tokens, even
 with the precise index); that is not a reason to stop routing for the hits that remain. Predictions keep being made and checked while degraded, which is what
 lets it recover.
+
+The opposite error is quieter: when the gateway's token ids differ from the engine's (a
+tokenizer or chat template that is not the model's), the precise index never matches what
+the engines report, and the engines reuse prefixes the index never predicted. Routing then
+only loses hits, so nothing degrades, but the share of the engines' cached tokens that were
+not predicted (stat ``hit_unpredicted_ratio``) is logged as a warning when it stays above
+``warn_unpredicted_above``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ log = logging.getLogger("kvgate.policies.hit_verification")
 
 class HitVerifier:
     def __init__(self, window: int = 128, min_samples: int = 32, degrade_above: float = 0.85,
-                 recover_below: float = 0.6, max_pending: int = 100_000, name: str = "policy") -> None:
+                 recover_below: float = 0.6, max_pending: int = 100_000, name: str = "policy",
+                 warn_unpredicted_above: float = 0.5) -> None:
         self.window = int(window)
         self.min_samples = int(min_samples)
         self.degrade_above = float(degrade_above)
@@ -40,6 +48,10 @@ class HitVerifier:
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.window)
         self._over = 0  # running sums over the window
         self._pred = 0
+        self._under = 0
+        self._actual = 0
+        self.warn_unpredicted_above = float(warn_unpredicted_above)
+        self._warned_unpredicted = False
         self.predicted_total = 0
         self.actual_total = 0
         self.samples = 0
@@ -67,9 +79,13 @@ class HitVerifier:
             p, a = self._recent[0]
             self._pred -= p
             self._over -= max(p - a, 0)
+            self._actual -= a
+            self._under -= max(a - p, 0)
         self._recent.append((predicted, actual))
         self._pred += predicted
         self._over += max(predicted - actual, 0)
+        self._actual += actual
+        self._under += max(actual - predicted, 0)
         self.predicted_total += predicted
         self.actual_total += actual
         self.samples += 1
@@ -80,9 +96,24 @@ class HitVerifier:
         """Share of predicted cached tokens (over the window) the engine did not reuse."""
         return self._over / self._pred if self._pred else 0.0
 
+    @property
+    def unpredicted(self) -> float:
+        """Share of the engine's cached tokens (over the window) the index did not predict."""
+        return self._under / self._actual if self._actual else 0.0
+
     def _update(self) -> None:
         if len(self._recent) < self.min_samples:
             return
+        missed = self.unpredicted
+        if not self._warned_unpredicted and missed > self.warn_unpredicted_above:
+            self._warned_unpredicted = True
+            log.warning(
+                "%s: the engines reused %d cached tokens over the last %d requests, %.0f%% of them beyond what "
+                "the index predicted. If the gateway tokenizes for a precise index, its tokenizer or chat template "
+                "likely differs from the engines' (see --tokenizer, --chat-template).", self.name, self._actual,
+                len(self._recent), 100 * missed)
+        elif self._warned_unpredicted and missed < self.warn_unpredicted_above / 2:
+            self._warned_unpredicted = False
         drift = self.drift
         if not self.degraded and drift > self.degrade_above:
             self.degraded = True
@@ -104,6 +135,7 @@ class HitVerifier:
             "hit_actual_tokens_total": float(self.actual_total),
             "hit_verified_requests_total": float(self.samples),
             "hit_drift_ratio": self.drift,
+            "hit_unpredicted_ratio": self.unpredicted,
             "hit_degraded": float(self.degraded),
             "hit_degradations_total": float(self.degradations),
         }

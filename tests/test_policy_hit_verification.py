@@ -24,6 +24,28 @@ def test_drift_is_the_share_of_predicted_hits_that_did_not_happen():
     assert v.predicted_total == 800 and v.actual_total == 590
 
 
+def test_hits_the_index_never_predicted_are_reported_once_per_episode(caplog):
+    """A tokenizer or chat template that is not the engine's: the engines reuse prefixes
+    the precise index never matched. Nothing to degrade (no load was concentrated), but
+    the share is a stat and a warning, re-armed once it falls."""
+    v = HitVerifier(window=8, min_samples=4)
+    with caplog.at_level("WARNING", logger="kvgate.policies.hit_verification"):
+        for _ in range(3):
+            v.observe(0, 100)
+        assert not caplog.records  # too few samples yet
+        v.observe(50, 100)
+        assert v.unpredicted == 350 / 400 and not v.degraded
+        for _ in range(4):
+            v.observe(0, 100)
+        assert len(caplog.records) == 1 and "tokenizer or chat template" in caplog.text
+        for _ in range(8):
+            v.observe(100, 100)
+        assert v.unpredicted == 0.0 and v.stats()["hit_unpredicted_ratio"] == 0.0
+        for _ in range(8):
+            v.observe(0, 100)
+        assert len(caplog.records) == 2
+
+
 def test_prediction_scales_with_the_engines_prompt_tokens_and_skips_unreported():
     v = HitVerifier(min_samples=1)
     v.expect("a", 0.5, 10)
