@@ -13,10 +13,11 @@ import logging
 import time
 from typing import Any
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
-from gateway import __version__
+from gateway import __version__, tokenizer_check
 from gateway.admission import Admission
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
@@ -66,6 +67,7 @@ class GatewayState:
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps) \
             if cfg.rate_limit_rps > 0 else None
         self.session = None  # created on startup, inside the running loop
+        self._checks: dict[str, asyncio.Task] = {}  # tokenizer checks in flight, by worker url
         self.registry: WorkerRegistry
         self.proxy: Proxy
 
@@ -97,6 +99,8 @@ class GatewayState:
         self.registry.start()
 
     async def stop(self) -> None:
+        for task in list(self._checks.values()):
+            task.cancel()
         await self.registry.stop()
         for policy in {id(p): p for p in self.policies.values()}.values():
             await policy.stop()
@@ -107,6 +111,14 @@ class GatewayState:
 
     def _on_worker_event(self, event: str, worker: Any) -> None:
         self.metrics.healthy.labels(worker.url, worker.view.role).set(1 if worker.view.healthy else 0)
+        if (self.encoder is not None and event in ("added", "health") and worker.view.healthy
+                and worker.tokenizer_match is None and worker.url not in self._checks):
+            task = asyncio.get_running_loop().create_task(self._check_tokenizer(worker))
+            self._checks[worker.url] = task
+            task.add_done_callback(lambda _t, url=worker.url: self._checks.pop(url, None))
+        if event == "removed":
+            for kind in (worker.tokenizer_match or {}):
+                self.metrics.tokenizer_match.remove(worker.url, kind)
         policy = self.policies.get(worker.view.role)
         if policy is None:
             return
@@ -115,6 +127,15 @@ class GatewayState:
         elif event == "removed":
             policy.on_worker_removed(worker.view)
             self.metrics.healthy.remove(worker.url, worker.view.role)
+
+    async def _check_tokenizer(self, worker: Any) -> None:
+        """Ask a worker that just became healthy how it tokenizes two probes (``gateway.tokenizer_check``)."""
+        found = await tokenizer_check.check(self.session, worker.url, worker.auth_headers(), self.encoder.tokenizer,
+                                            aiohttp.ClientTimeout(total=self.cfg.health_check_timeout_secs))
+        worker.tokenizer_match = found
+        if worker.url in self.registry.workers:
+            for kind, same in found.items():
+                self.metrics.tokenizer_match.labels(worker.url, kind).set(1 if same else 0)
 
 
 # --- middleware ---------------------------------------------------------------------------

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -158,6 +161,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg)
 
 
+@contextlib.contextmanager
+def _reserved(cfg: GatewayConfig) -> Iterator[None]:
+    """Hold the gateway's port while the simulated workers pick theirs (the kernel never
+    hands out a bound port), so none of them takes it before the gateway binds."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+    except OSError:  # taken already, or a host this cannot bind: serve() will say so
+        pass
+    try:
+        yield
+    finally:
+        sock.close()
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from simulator.cluster import SimCluster
 
@@ -175,7 +194,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                              engine_args=engine_args, kv_events=args.kv_events, pool=args.pool)
     else:
         cluster = SimCluster(workers=args.workers, engine_args=engine_args, kv_events=args.kv_events, pool=args.pool)
-    cluster.start()
+    with _reserved(config_from_args(args)):  # the workers pick free ports: not the gateway's
+        cluster.start()
     try:
         specs = [WorkerSpec(url=u) for u in cluster.urls]
         specs += [WorkerSpec(url=u, role="prefill", bootstrap_port=port) for u, port in cluster.prefill]

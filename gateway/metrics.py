@@ -53,6 +53,9 @@ class GatewayMetrics:
         self.ttft = Histogram("kvgate_time_to_first_byte_seconds", "Time to the first streamed byte", ["route"], buckets=_LATENCY, registry=r)
         self.in_flight = Gauge("kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r)
         self.healthy = Gauge("kvgate_worker_healthy", "1 when the worker passes health checks", ["worker", "role"], registry=r)
+        self.tokenizer_match = Gauge("kvgate_worker_tokenizer_match",
+                                     "1 when the worker's /v1/tokenize gives the gateway's ids for a probe, 0 when not",
+                                     ["worker", "kind"], registry=r)
         self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
         self.held_now = Gauge("kvgate_held_requests", "Requests the policy is holding until a worker can start them",
                               registry=r)

@@ -16,7 +16,7 @@ import msgspec
 from gateway.encoding import PromptEncoder
 from gateway.errors import GatewayError
 from policies.base import RequestView
-from wire.chat_template import apply_chat_template
+from wire.chat_template import apply_chat_template, sglang_tools
 
 log = logging.getLogger("kvgate.request")
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
@@ -122,10 +122,9 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
     if not with_prompt:
         pass
     elif route == CHAT and encoder is not None:
-        tools = None if body.tool_choice == "none" else body.tools
         try:
-            chat = encoder.tokenizer.render_chat(body.messages or [], tools, _template_kwargs(body),
-                                                 body.continue_final_message)
+            chat = encoder.tokenizer.render_chat(body.messages or [], sglang_tools(body.tools, body.tool_choice),
+                                                 _template_kwargs(body), body.continue_final_message)
         except Exception as exc:  # the engine answers for its own template; routing goes on by text
             log.debug("chat template failed for %s, routing without token ids: %r", request_id, exc)
             text = apply_chat_template(body.messages or [])

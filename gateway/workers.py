@@ -41,6 +41,7 @@ class Worker:
         self.last_error: str | None = None
         self.load_endpoint: str | None = "/v1/loads"
         self.draining = False
+        self.tokenizer_match: dict[str, bool] | None = None  # gateway_tokenizer_check's answer, once asked
 
     @property
     def available(self) -> bool:
@@ -55,6 +56,7 @@ class Worker:
             "url": self.url, "role": v.role, "bootstrap_port": v.bootstrap_port, "healthy": v.healthy,
             "models": sorted(v.models), "in_flight": v.in_flight, "circuit": self.breaker.state,
             "load": msgspec.to_builtins(v.load) if v.load else None, "last_error": self.last_error,
+            "tokenizer_match": self.tokenizer_match,
         }
 
 

@@ -16,6 +16,8 @@ import msgspec
 from aiohttp import web
 
 
+from wire.chat_template import sglang_tools
+
 from .engine import ApiError, Engine, Item
 from .http_common import DONE, ENGINE, json_response, open_sse, openai_error, sse
 from .http_native import apply_faults
@@ -115,7 +117,7 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "messages must be a non-empty list")
-            prompts = [_chat_ids(engine, body, msgs)]
+            prompts = [chat_ids(engine, body, msgs)]
         else:
             prompts = _prompts(engine, body.get("prompt"))
         stream = bool(body.get("stream"))
@@ -147,7 +149,7 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
     })
 
 
-def _chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list[int]:
+def chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list[int]:
     """As SGLang: the model's chat template, ``reasoning_effort`` and ``chat_template_kwargs``
     as its variables, the text encoded without adding special tokens (``wire.tokenizer``);
     a template that fails is the client's error."""
@@ -156,7 +158,7 @@ def _chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list
     kwargs = {} if body.get("reasoning_effort") is None else {"reasoning_effort": body["reasoning_effort"]}
     extra = body.get("chat_template_kwargs")
     kwargs.update(extra if isinstance(extra, dict) else {})
-    tools = None if body.get("tool_choice") == "none" else body.get("tools")
+    tools = sglang_tools(body.get("tools"), body.get("tool_choice"))
     try:
         chat = engine.tokenizer.render_chat(messages, tools, kwargs, bool(body.get("continue_final_message")))
     except Exception as exc:

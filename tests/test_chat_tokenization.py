@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from simulator.tiny_tokenizer import BOS, TEMPLATES, build
 from tests.support import Proc
-from wire.chat_template import detect_content_format, normalize_messages
+from wire.chat_template import detect_content_format, normalize_messages, sglang_tools
 from wire.tokenizer import HFTokenizer, load_tokenizer
 
 pytest.importorskip("tokenizers")
@@ -189,3 +190,86 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
     assert all(c > 0 for turn, c in cached if turn > 0), cached
     assert stats["fallback_requests_total"] == 0 and stats["hit_verified_requests_total"] == len(cached)
     assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0, stats
+
+
+def test_the_simulator_answers_tokenize_as_it_tokenizes_requests(models):
+    from tests.sim_support import sim_worker
+    from tests.support import request_json
+
+    ours = HFTokenizer(str(models["chatml"]))
+    messages = [{"role": "user", "content": "hello there"}]
+    with sim_worker("--tokenizer", str(models["chatml"])) as (url, _):
+        status, out = request_json("POST", url + "/v1/tokenize", {"prompt": "the word"})
+        assert status == 200 and out["tokens"] == ours.encode("the word") and out["count"] == len(out["tokens"])
+        status, out = request_json("POST", url + "/tokenize", {"prompt": ["a", "b"], "add_special_tokens": False})
+        assert out["tokens"] == [ours.encode("a", False), ours.encode("b", False)] and out["count"] == [1, 1]
+        status, out = request_json("POST", url + "/v1/tokenize", {"messages": messages,
+                                                                  "chat_template_kwargs": {"enable_thinking": False}})
+        chat = ours.encode_chat(ours.render_chat(messages, template_kwargs={"enable_thinking": False}))
+        assert status == 200 and out["tokens"] == chat
+        status, out = request_json("POST", url + "/v1/detokenize", {"tokens": chat})
+        assert status == 200 and out["text"] == ours.decode(chat)
+        # and a chat completion is prefilled from exactly those ids
+        status, out = request_json("POST", url + "/v1/chat/completions", {
+            "model": "m", "messages": messages, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200 and out["usage"]["prompt_tokens"] == len(chat)
+        for bad in ({}, {"prompt": "a", "messages": messages}, {"prompt": 5}, {"messages": []}):
+            status, out = request_json("POST", url + "/v1/tokenize", bad)
+            assert status == 400 and out["object"] == "error", bad
+
+
+@pytest.mark.parametrize("gateway_tokenizer, same", [("model", True), ("byte", False)])
+def test_the_gateway_asks_each_worker_whether_it_tokenizes_the_same(models, gateway_tokenizer, same):
+    """A gateway given the wrong tokenizer learns it when the worker joins, not from the
+    hit statistics after traffic: ``/workers`` and a metric say so per worker and form."""
+    from tests.sim_support import sim_worker
+    from tests.support import free_port, get_text, metric_value, request_json
+
+    with sim_worker("--tokenizer", str(models["chatml"])) as (url, _):  # its template renders tools
+        port = free_port()
+        tok = str(models["chatml"]) if gateway_tokenizer == "model" else "byte"
+        gw = Proc.python("gateway", "serve", "--port", str(port), "--policy", "kv_events", "--tokenizer", tok,
+                         "--worker-urls", url, name="gateway")
+        try:
+            base = f"http://127.0.0.1:{port}"
+            gw.wait_http(base + "/readiness", timeout=30)
+            for _ in range(100):  # the check runs beside startup: bounded wait for its answer
+                status, out = request_json("GET", base + "/workers")
+                if out["workers"][0]["tokenizer_match"] is not None:
+                    break
+                time.sleep(0.05)
+            assert out["workers"][0]["tokenizer_match"] == {"text": same, "chat": same, "tools": same}
+            metrics = get_text(base + "/metrics")
+            for kind in ("text", "chat", "tools"):
+                assert metric_value(metrics, "kvgate_worker_tokenizer_match", worker=url, kind=kind) == float(same)
+            assert ("tokenizes a text prompt differently" in gw.output()) is not same
+        finally:
+            gw.stop()
+
+
+_fn_key = st.sampled_from(["name", "description", "parameters", "strict", "defer_loading"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(keys=st.lists(_fn_key, unique=True).map(lambda ks: ks if "name" in ks else ["name", *ks]),
+       values=st.fixed_dictionaries({"description": st.sampled_from([None, "does it"]),
+                                     "parameters": st.sampled_from([None, {"type": "object"}]),
+                                     "strict": st.sampled_from([None, True, False]),
+                                     "defer_loading": st.sampled_from([None, True])}),
+       outer_defer=st.sampled_from([None, False, True]), with_type=st.booleans())
+def test_tools_reach_the_template_as_sglang_serializes_them(keys, values, outer_defer, with_type):
+    from tests.sglang_cpu import require
+
+    protocol = require("sglang.srt.entrypoints.openai.protocol")
+    fn = {k: ("clock" if k == "name" else values[k]) for k in keys}
+    tool: dict = {"function": fn}
+    if with_type:
+        tool = {"type": "function", **tool}
+    if outer_defer is not None:
+        tool["defer_loading"] = outer_defer
+    theirs = protocol.Tool.model_validate(tool).model_dump()
+    ours = sglang_tools([tool])
+    assert ours == [theirs] and list(ours[0]["function"]) == list(theirs["function"])  # order is rendered too
+    named = {"type": "function", "function": {"name": "other"}}
+    assert sglang_tools([tool], "none") is None and sglang_tools([tool], named) is None
+    assert sglang_tools([tool], {"type": "function", "function": {"name": "clock"}}) == [theirs]

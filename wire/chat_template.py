@@ -14,9 +14,14 @@ so a chat request has to be rendered the way SGLang renders it:
   SGLang's ``serving_chat`` does first (``normalize_messages``). SGLang then encodes the
   text *without* adding special tokens: the template already wrote them.
 
+Tool definitions reach the template as SGLang 0.5.23's request model serializes them
+(``sglang_tools``): the function's fields in the client's order, the unsent ones after them
+as null (``strict`` and ``defer_loading`` left out when unset), and a template that fails on
+that shape gets the bare functions instead.
+
 What is not mirrored (rendering differs, the index predicts fewer hits, and hit
-verification says so): multimodal parts, tool definitions as SGLang's request model fills
-their defaults in, and the custom encoders of a few model families (DeepSeek V3.2/V4).
+verification says so): multimodal parts, other SGLang versions' tool serialization, and the
+custom encoders of a few model families (DeepSeek V3.2/V4).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ FORMATS = ("string", "openai")
 _MEDIA_WORDS = ("image", "audio", "video", "vision")
 _TEXT_PARTS = ("text", "input_text")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")  # pydantic's order
 
 
 def content_text(content: Any) -> str:
@@ -112,6 +118,32 @@ def _with_parsed_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
+def sglang_tools(tools: Any, tool_choice: Any = None) -> list[dict[str, Any]] | None:
+    """The ``tools`` a chat template sees: none for ``tool_choice`` "none", only the named
+    function for a named choice, each as SGLang's ``Tool.model_dump()`` writes it."""
+    if not tools or tool_choice == "none" or not isinstance(tools, list):
+        return None
+    if not all(isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) for t in tools):
+        return list(tools)  # not a shape SGLang accepts: the engine will say so
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        tools = [t for t in tools if t["function"].get("name") == name]
+    out = []
+    for tool in tools:
+        defer = tool.get("defer_loading")
+        sent = tool["function"]
+        fn = {k: sent.get(k) for k in _FUNCTION_FIELDS}
+        if defer is not None and fn["defer_loading"] is None:
+            fn["defer_loading"] = defer
+        for unset in ("strict", "defer_loading"):
+            if fn[unset] is None:
+                del fn[unset]
+        order = [k for k in sent if k in fn] + [k for k in fn if k not in sent]
+        out.append({"type": tool.get("type", "function"), "function": {k: fn[k] for k in order},
+                    "defer_loading": defer})
+    return out or None
+
+
 class ChatTemplate:
     """A model's Jinja chat template, rendered as transformers renders it for SGLang."""
 
@@ -129,7 +161,14 @@ class ChatTemplate:
         chat = [_alias_reasoning(m) for m in chat]
         kwargs = {**self.special_tokens, **(template_kwargs or {})}
         kwargs.setdefault("add_generation_prompt", True)
-        text = self._template.render(messages=chat, tools=tools, documents=None, **kwargs)
+        try:
+            text = self._template.render(messages=chat, tools=tools, documents=None, **kwargs)
+        except Exception:
+            if not tools:
+                raise
+            # as SGLang retries: some templates (Mistral's) want the functions without the wrapper
+            bare = [t["function"] if isinstance(t, Mapping) and "function" in t else t for t in tools]
+            text = self._template.render(messages=chat, tools=bare, documents=None, **kwargs)
         return text, prefix
 
 
