@@ -11,6 +11,12 @@ KV index hashes the ids the engine does. SGLang gets those ids two ways:
 - a chat is rendered with the model's chat template (``wire.chat_template``) and the text
   encoded *without* adding special tokens, since the template wrote them.
 
+Special tokens come from ``tokenizer.json``'s post-processor, as transformers applies it to
+the tokenizers most models ship now; some tokenizer classes (sentencepiece-era Llama 2 and
+Mistral) have transformers rebuild it from ``add_bos_token`` instead, which is not mirrored.
+Whether the ids agree with an engine is not left to this reading: the gateway asks each
+worker (``gateway.tokenizer_check``).
+
 Encoding goes through ``encode_batch``, which releases the GIL (``encode`` holds it), so a
 long prompt can be encoded on a worker thread while the gateway's event loop carries on.
 """
