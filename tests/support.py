@@ -130,3 +130,35 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 def get_text(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
+
+
+def policy_stats(base: str) -> dict[str, float]:
+    """The routing policy's own stats, as the gateway exports them (``kvgate_policy_stat``)."""
+    import re
+
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'kvgate_policy_stat\{[^}]*stat="([a-z_]+)"\} ([0-9.e+-]+)', get_text(base + "/metrics"))}
+
+
+def converse(base: str, model: str, conversations: int, turns: int, system_words: int = 80,
+             as_parts: bool = False, **extra: object) -> list[tuple[int, int]]:
+    """Multi-turn chats through the gateway, each turn's history sent back whole; returns
+    (turn, engine-reported cached tokens) per request. ``as_parts`` sends user content as a
+    list of text parts; ``extra`` goes into every request body."""
+    import json
+
+    usage = []
+    for conv in range(conversations):
+        messages: list[dict[str, object]] = [
+            {"role": "system", "content": f"conversation {conv}: " + "background " * system_words}]
+        for turn in range(turns):
+            text = f"question {turn} " * 20
+            messages.append({"role": "user", "content": [{"type": "text", "text": text}] if as_parts else text})
+            body = json.dumps({"model": model, "messages": messages, "max_tokens": 16, **extra}).encode()
+            req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                out = json.loads(resp.read())
+            details = out["usage"].get("prompt_tokens_details") or {}
+            usage.append((turn, details.get("cached_tokens") or 0))
+            messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+    return usage

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator.tiny_tokenizer import BOS, TEMPLATES, build
-from tests.support import Proc
+from tests.sim_support import sim_worker
+from tests.support import Proc, converse, free_port, get_text, metric_value, policy_stats, request_json
 from wire.chat_template import detect_content_format, normalize_messages, sglang_tools
 from wire.tokenizer import HFTokenizer, load_tokenizer
 
@@ -145,11 +145,6 @@ async def _both(encoder, short: str, long: str) -> list[list[int]]:
     return [await encoder.text(short), await encoder.text(long)]
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read()
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
@@ -161,30 +156,20 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
     """``kvgate up --tokenizer DIR``: the simulated engines tokenize with the same model
     directory, BOS on text prompts and the chat template's own tokens on chats; the
     precise index's predictions must equal the cached tokens the engines report."""
-    from tests.support import free_port
-
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), "--kv-events", "--policy", policy,
                        "--tokenizer", str(models["chatml"]), "--tokenize-inline-chars", "200", name="kvgate-up")
     try:
         proc.wait_http(base + "/v1/models", timeout=60)
-        model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
-        cached = []
-        for conv in range(2):
-            messages = [{"role": "system", "content": f"conversation {conv}: " + "background word " * 60}]
-            for turn in range(3):
-                messages.append({"role": "user", "content": [{"type": "text", "text": f"question {turn} " * 20}]})
-                out = _post(base + "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 8,
-                                                             "chat_template_kwargs": {"enable_thinking": False}})
-                cached.append((turn, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
-                messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
+        cached = converse(base, model, conversations=2, turns=3, system_words=60, as_parts=True,
+                          chat_template_kwargs={"enable_thinking": False})
         for n in range(3):  # text prompts: BOS first, then a shared document
             out = _post(base + "/v1/completions", {"model": model, "max_tokens": 4,
                                                    "prompt": "shared document " * 80 + f"ask {n}"})
             cached.append((n, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
-        stats = {m.group(1): float(m.group(2)) for m in re.finditer(
-            r'kvgate_policy_stat\{[^}]*stat="([a-z_]+)"\} ([0-9.e+-]+)', _get(base + "/metrics").decode())}
+        stats = policy_stats(base)
     finally:
         proc.stop()
     assert all(c > 0 for turn, c in cached if turn > 0), cached
@@ -193,9 +178,6 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
 
 
 def test_the_simulator_answers_tokenize_as_it_tokenizes_requests(models):
-    from tests.sim_support import sim_worker
-    from tests.support import request_json
-
     ours = HFTokenizer(str(models["chatml"]))
     messages = [{"role": "user", "content": "hello there"}]
     with sim_worker("--tokenizer", str(models["chatml"])) as (url, _):
@@ -222,9 +204,6 @@ def test_the_simulator_answers_tokenize_as_it_tokenizes_requests(models):
 def test_the_gateway_asks_each_worker_whether_it_tokenizes_the_same(models, gateway_tokenizer, same):
     """A gateway given the wrong tokenizer learns it when the worker joins, not from the
     hit statistics after traffic: ``/workers`` and a metric say so per worker and form."""
-    from tests.sim_support import sim_worker
-    from tests.support import free_port, get_text, metric_value, request_json
-
     with sim_worker("--tokenizer", str(models["chatml"])) as (url, _):  # its template renders tools
         port = free_port()
         tok = str(models["chatml"]) if gateway_tokenizer == "model" else "byte"

@@ -6,20 +6,13 @@ index's predicted cached tokens must agree with what the engines report."""
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 
 import pytest
 
-from tests.support import Proc, free_port
+from tests.support import Proc, converse, free_port, get_text, policy_stats
 
 pytest.importorskip("simulator.cluster")
 pytest.importorskip("gateway.cli")
-
-
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read()
 
 
 def _run(*args: str) -> tuple[list[tuple[int, int]], dict[str, float]]:
@@ -28,22 +21,8 @@ def _run(*args: str) -> tuple[list[tuple[int, int]], dict[str, float]]:
     proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), *args, name="kvgate-up")
     try:
         proc.wait_http(base + "/v1/models", timeout=60)
-        model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
-        usage = []
-        for conv in range(3):
-            messages = [{"role": "system", "content": f"conversation {conv}: " + "background " * 80}]
-            for turn in range(3):
-                messages.append({"role": "user", "content": f"question {turn} " * 20})
-                body = json.dumps({"model": model, "messages": messages, "max_tokens": 16}).encode()
-                req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    out = json.loads(resp.read())
-                details = out["usage"].get("prompt_tokens_details") or {}
-                usage.append((turn, details.get("cached_tokens") or 0))
-                messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
-        stats = {m.group(1): float(m.group(2)) for m in re.finditer(
-            r'kvgate_policy_stat\{[^}]*stat="([a-z_]+)"\} ([0-9.e+-]+)', _get(base + "/metrics").decode())}
-        return usage, stats
+        model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
+        return converse(base, model, conversations=3, turns=3), policy_stats(base)
     finally:
         proc.stop()
 
