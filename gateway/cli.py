@@ -75,8 +75,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--cb-failure-threshold", type=int)
     g.add_argument("--cb-timeout-secs", type=float)
     g.add_argument("--load-poll-interval-secs", type=float)
-    g.add_argument("--tokenizer", help="for precise routing: 'byte' (the simulator's), or the model's directory "
-                                       "(tokenizer.json + tokenizer_config.json with its chat template) or tokenizer.json")
+    g.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer",
+                   help="for precise routing: 'byte' (the simulator's), or the model's directory (tokenizer.json + "
+                        "tokenizer_config.json with its chat template) or tokenizer.json")
     g.add_argument("--chat-template", help="a .jinja chat template overriding the model's, as given to SGLang's "
                                            "--chat-template")
     g.add_argument("--tokenize-inline-chars", type=int,
