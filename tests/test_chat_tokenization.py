@@ -200,6 +200,16 @@ def test_the_simulator_answers_tokenize_as_it_tokenizes_requests(models):
             assert status == 400 and out["object"] == "error", bad
 
 
+def _tokenizer_match(base: str) -> dict | None:
+    """The worker's check result once the gateway has it (the check runs beside startup)."""
+    for _ in range(100):  # bounded: ~5 s
+        status, out = request_json("GET", base + "/workers")
+        if out["workers"][0]["tokenizer_match"] is not None:
+            break
+        time.sleep(0.05)
+    return out["workers"][0]["tokenizer_match"]
+
+
 @pytest.mark.parametrize("gateway_tokenizer, same", [("model", True), ("byte", False)])
 def test_the_gateway_asks_each_worker_whether_it_tokenizes_the_same(models, gateway_tokenizer, same):
     """A gateway given the wrong tokenizer learns it when the worker joins, not from the
@@ -212,12 +222,7 @@ def test_the_gateway_asks_each_worker_whether_it_tokenizes_the_same(models, gate
         try:
             base = f"http://127.0.0.1:{port}"
             gw.wait_http(base + "/readiness", timeout=30)
-            for _ in range(100):  # the check runs beside startup: bounded wait for its answer
-                status, out = request_json("GET", base + "/workers")
-                if out["workers"][0]["tokenizer_match"] is not None:
-                    break
-                time.sleep(0.05)
-            assert out["workers"][0]["tokenizer_match"] == {"text": same, "chat": same, "tools": same}
+            assert _tokenizer_match(base) == {"text": same, "chat": same, "tools": same}
             metrics = get_text(base + "/metrics")
             for kind in ("text", "chat", "tools"):
                 assert metric_value(metrics, "kvgate_worker_tokenizer_match", worker=url, kind=kind) == float(same)
@@ -252,3 +257,25 @@ def test_tools_reach_the_template_as_sglang_serializes_them(keys, values, outer_
     named = {"type": "function", "function": {"name": "other"}}
     assert sglang_tools([tool], "none") is None and sglang_tools([tool], named) is None
     assert sglang_tools([tool], {"type": "function", "function": {"name": "clock"}}) == [theirs]
+
+
+def test_a_worker_without_tokenize_is_not_judged(models):
+    """An engine that predates ``/v1/tokenize`` (here the bench's stub backend) cannot be
+    asked: the check records nothing, exports nothing and warns of nothing."""
+    stub_port, port = free_port(), free_port()
+    stub = Proc.python("bench.stub_backend", "--port", str(stub_port), name="stub")
+    gw = None
+    try:
+        stub.wait_http(f"http://127.0.0.1:{stub_port}/health", timeout=30)
+        gw = Proc.python("gateway", "serve", "--port", str(port), "--policy", "kv_events", "--tokenizer",
+                         str(models["llama3"]), "--worker-urls", f"http://127.0.0.1:{stub_port}", name="gateway")
+        base = f"http://127.0.0.1:{port}"
+        gw.wait_http(base + "/readiness", timeout=30)
+        assert _tokenizer_match(base) == {}
+        assert "kvgate_worker_tokenizer_match{" not in get_text(base + "/metrics")
+        assert "differently" not in gw.output()
+    finally:
+        for proc in (gw, stub):
+            if proc is not None:
+                proc.stop()
+
