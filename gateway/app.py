@@ -210,10 +210,10 @@ def generation_handler(route: str):
         if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
-        view = await build_view(body, route, request.headers, request_id_from(request.headers), state.encoder,
-                                state.needs_prompt)
         started = time.perf_counter()
-        async with state.admission.slot():
+        async with state.admission.slot():  # before tokenizing: a refused request costs no encode
+            view = await build_view(body, route, request.headers, request_id_from(request.headers), state.encoder,
+                                    state.needs_prompt)
             response = await state.proxy.forward(request, view, raw, body)
         state.metrics.latency_of(route).observe(time.perf_counter() - started)
         return normalized(response)  # an engine's error, in the gateway's shape
