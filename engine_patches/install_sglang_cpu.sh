@@ -36,8 +36,12 @@ fi
 start=$(date +%s)
 "${PIP[@]}" "$TORCH_SPEC"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
+# transformers as this sglang pins it: it renders the chat templates the gateway mirrors.
+TRANSFORMERS=$("$PYTHON" -c 'from importlib.metadata import requires
+pins = [r.split(";")[0].replace(" ", "") for r in requires("sglang") or [] if r.startswith("transformers")]
+print(pins[0] if pins else "transformers")')
 # What the imports above really need (found by importing them in a bare venv).
 "${PIP[@]}" numpy orjson psutil pybase64 requests packaging pillow ipython tqdm \
     pydantic fastapi starlette msgspec pyzmq aiohttp pyyaml \
-    transformers apache-tvm-ffi dill sentencepiece compressed-tensors gguf
+    "$TRANSFORMERS" apache-tvm-ffi dill sentencepiece compressed-tensors gguf
 echo "install_sglang_cpu: done in $(( $(date +%s) - start ))s"

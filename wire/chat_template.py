@@ -9,10 +9,11 @@ so a chat request has to be rendered the way SGLang renders it:
   its later turns, exactly like real chat templates.
 - ``ChatTemplate``: a model's Jinja template (``tokenizer_config.json``, ``chat_template.jinja``
   or SGLang's ``--chat-template`` file), rendered in the sandbox Hugging Face transformers
-  uses (``trim_blocks``, ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception``
-  and ``strftime_now``), with the special tokens as variables, after the message clean-up
-  SGLang's ``serving_chat`` does first (``normalize_messages``). SGLang then encodes the
-  text *without* adding special tokens: the template already wrote them.
+  uses (5.19, the version SGLang 0.5.23 pins: ``trim_blocks``, ``lstrip_blocks``, loop
+  controls, its ``tojson``, ``raise_exception`` and ``strftime_now``), with the special tokens
+  as variables, after the message clean-up SGLang's ``serving_chat`` does first
+  (``normalize_messages``). SGLang then encodes the text *without* adding special tokens:
+  the template already wrote them.
 
 Tool definitions reach the template as SGLang 0.5.23's request model serializes them
 (``sglang_tools``): the function's fields in the client's order, the unsent ones after them
@@ -34,7 +35,6 @@ from typing import Any
 FORMATS = ("string", "openai")
 _MEDIA_WORDS = ("image", "audio", "video", "vision")
 _TEXT_PARTS = ("text", "input_text")
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")  # pydantic's order
 
 
@@ -158,7 +158,6 @@ class ChatTemplate:
                continue_final_message: bool = False) -> tuple[str, str | None]:
         """The prompt text, and the assistant text to append after it (or None)."""
         chat, prefix = normalize_messages(messages, self.content_format, continue_final_message)
-        chat = [_alias_reasoning(m) for m in chat]
         kwargs = {**self.special_tokens, **(template_kwargs or {})}
         kwargs.setdefault("add_generation_prompt", True)
         try:
@@ -170,12 +169,6 @@ class ChatTemplate:
             bare = [t["function"] if isinstance(t, Mapping) and "function" in t else t for t in tools]
             text = self._template.render(messages=chat, tools=bare, documents=None, **kwargs)
         return text, prefix
-
-
-def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    """transformers (5.x) gives templates a message's reasoning under both names they read."""
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def detect_content_format(source: str) -> str:
