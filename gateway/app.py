@@ -228,18 +228,22 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def info_passthrough(request: web.Request) -> web.Response:
-    """``/server_info`` and ``/model_info`` from a healthy worker (decode before prefill in PD)."""
+    """``/server_info``, ``/model_info`` and SGLang's ``/v1/tokenize`` / ``/v1/detokenize`` from
+    a healthy worker (decode before prefill in PD): the engine's own answer, body as sent."""
     state: GatewayState = request.app[STATE]
     workers = sorted((w for w in state.registry.workers.values() if w.view.healthy),
                      key=lambda w: {"unified": 0, "decode": 1, "prefill": 2}.get(w.view.role, 3))
     path = request.path
+    body = await _read_body(request, state.cfg.max_payload_size) if request.method == "POST" else None
+    headers = {"Content-Type": request.headers.get("Content-Type", "application/json")} if body is not None else {}
     for worker in workers:
         try:
-            async with state.session.get(worker.url + path, headers=worker.auth_headers()) as resp:
+            async with state.session.request(request.method, worker.url + path, data=body,
+                                             headers={**headers, **worker.auth_headers()}) as resp:
                 if resp.status == 404 and path.startswith("/get_"):
                     continue
-                return web.Response(status=resp.status, body=await resp.read(),
-                                    content_type=resp.content_type or "application/json")
+                return normalized(web.Response(status=resp.status, body=await resp.read(),
+                                               content_type=resp.content_type or "application/json"))
         except Exception as exc:
             worker.last_error = repr(exc)
     raise GatewayError(503, "no healthy worker available", code="no_worker_available")
@@ -380,6 +384,8 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     r.add_get("/v1/models", models)
     for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
         r.add_get(path, info_passthrough)
+    for path in ("/v1/tokenize", "/tokenize", "/v1/detokenize", "/detokenize"):
+        r.add_post(path, info_passthrough)
     r.add_get("/health", health)
     r.add_get("/liveness", health)
     r.add_get("/readiness", readiness)

@@ -85,6 +85,19 @@ SCHEMAS: dict[str, Any] = {
             "return_logprob": {"type": "boolean"},
         },
     },
+    "TokenizeRequest": {
+        "type": "object", "description": "SGLang's: exactly one of prompt or messages (rendered as for a chat).",
+        "properties": {"model": {"type": "string"},
+                       "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+                       "messages": {"type": "array", "minItems": 1,
+                                    "items": {"$ref": "#/components/schemas/ChatMessage"}},
+                       "add_special_tokens": {"type": "boolean"}},
+    },
+    "DetokenizeRequest": {
+        "type": "object", "required": ["tokens"],
+        "properties": {"model": {"type": "string"},
+                       "tokens": {"oneOf": [_TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS}]}},
+    },
     "AddWorker": {
         "type": "object", "required": ["url"],
         "properties": {"url": {"type": "string", "pattern": "^https?://"},
@@ -126,6 +139,8 @@ def build_spec() -> dict[str, Any]:
         "/v1/chat/completions": _generation("OpenAI chat completion", "ChatCompletionRequest"),
         "/v1/completions": _generation("OpenAI text completion", "CompletionRequest"),
         "/generate": _generation("SGLang native generation", "GenerateRequest"),
+        "/v1/tokenize": _generation("a worker's token ids for a prompt or chat (SGLang's)", "TokenizeRequest"),
+        "/v1/detokenize": _generation("a worker's text for token ids (SGLang's)", "DetokenizeRequest"),
         "/v1/models": _get("models served by healthy workers", "application/json", 401),
         "/health": _get("process liveness"),
         "/liveness": _get("process liveness"),

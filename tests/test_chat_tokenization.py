@@ -227,6 +227,11 @@ def test_the_gateway_asks_each_worker_whether_it_tokenizes_the_same(models, gate
             for kind in ("text", "chat", "tools"):
                 assert metric_value(metrics, "kvgate_worker_tokenizer_match", worker=url, kind=kind) == float(same)
             assert ("tokenizes a text prompt differently" in gw.output()) is not same
+            # clients get the engine's own answer through the gateway, errors in OpenAI's shape
+            assert request_json("POST", base + "/v1/tokenize", {"prompt": "the word"}) == \
+                request_json("POST", url + "/v1/tokenize", {"prompt": "the word"})
+            status, out = request_json("POST", base + "/tokenize", {"prompt": 5})
+            assert status == 400 and isinstance(out["error"]["message"], str)
         finally:
             gw.stop()
 
