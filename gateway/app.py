@@ -129,7 +129,7 @@ class GatewayState:
             self.metrics.healthy.remove(worker.url, worker.view.role)
 
     async def _check_tokenizer(self, worker: Any) -> None:
-        """Ask a worker that just became healthy how it tokenizes two probes (``gateway.tokenizer_check``)."""
+        """Ask a worker that just became healthy how it tokenizes the probes (``gateway.tokenizer_check``)."""
         found = await tokenizer_check.check(self.session, worker.url, worker.auth_headers(), self.encoder.tokenizer,
                                             aiohttp.ClientTimeout(total=self.cfg.health_check_timeout_secs))
         worker.tokenizer_match = found
@@ -268,6 +268,8 @@ async def metrics(request: web.Request) -> web.Response:
         state.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
     state.metrics.queue_depth.set(state.admission.queued)
     state.metrics.held_now.set(state.proxy.holds.held)
+    if state.encoder is not None:
+        state.metrics.tokenized_off_loop.set(state.encoder.offloaded)
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 

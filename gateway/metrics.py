@@ -56,6 +56,9 @@ class GatewayMetrics:
         self.tokenizer_match = Gauge("kvgate_worker_tokenizer_match",
                                      "1 when the worker's /v1/tokenize gives the gateway's ids for a probe, 0 when not",
                                      ["worker", "kind"], registry=r)
+        self.tokenized_off_loop = Gauge("kvgate_prompts_tokenized_off_loop",
+                                        "Prompts tokenized on the thread pool since start (longer than "
+                                        "--tokenize-inline-chars)", registry=r)
         self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
         self.held_now = Gauge("kvgate_held_requests", "Requests the policy is holding until a worker can start them",
                               registry=r)

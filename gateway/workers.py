@@ -41,7 +41,7 @@ class Worker:
         self.last_error: str | None = None
         self.load_endpoint: str | None = "/v1/loads"
         self.draining = False
-        self.tokenizer_match: dict[str, bool] | None = None  # gateway_tokenizer_check's answer, once asked
+        self.tokenizer_match: dict[str, bool] | None = None  # gateway.tokenizer_check's answer, once asked
 
     @property
     def available(self) -> bool:

@@ -159,7 +159,7 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), "--kv-events", "--policy", policy,
-                       "--tokenizer", str(models["chatml"]), "--tokenize-inline-chars", "200", name="kvgate-up")
+                       "--tokenizer", str(models["chatml"]), "--tokenize-inline-chars", "1000", name="kvgate-up")
     try:
         proc.wait_http(base + "/v1/models", timeout=60)
         model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
@@ -170,11 +170,13 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
                                                    "prompt": "shared document " * 80 + f"ask {n}"})
             cached.append((n, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
         stats = policy_stats(base)
+        off_loop = metric_value(get_text(base + "/metrics"), "kvgate_prompts_tokenized_off_loop")
     finally:
         proc.stop()
     assert all(c > 0 for turn, c in cached if turn > 0), cached
     assert stats["fallback_requests_total"] == 0 and stats["hit_verified_requests_total"] == len(cached)
     assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0, stats
+    assert 0 < off_loop < len(cached)  # the long prompts went to the pool, the short ones did not
 
 
 def test_the_simulator_answers_tokenize_as_it_tokenizes_requests(models):
