@@ -32,7 +32,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-FORMATS = ("string", "openai")
 _MEDIA_WORDS = ("image", "audio", "video", "vision")
 _TEXT_PARTS = ("text", "input_text")
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")  # pydantic's order
@@ -75,7 +74,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_format: st
         content = msg["content"]
         if isinstance(content, list):
             if content_format == "openai":
-                msg["content"] = [_openai_part(p) for p in content if _openai_part(p) is not None]
+                msg["content"] = [q for q in map(_openai_part, content) if q is not None]
             else:
                 msg["content"] = " ".join(p["text"] for p in content
                                           if isinstance(p, Mapping) and p.get("type") in _TEXT_PARTS)
