@@ -40,6 +40,9 @@ log = logging.getLogger("simulator")
 POOL_VIEW_TOKENS = 1 << 40
 
 
+_TOKEN_ID_LIMIT = 1 << 32
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
         super().__init__(message)
@@ -262,6 +265,11 @@ class Engine:
     def validate(self, item: Item) -> None:
         if not item.input_ids:
             raise ApiError(400, "The input_ids is empty.")
+        if not 0 <= min(item.input_ids) <= max(item.input_ids) < _TOKEN_ID_LIMIT:
+            # SGLang leaves this to the model (an embedding lookup out of range); one bad request
+            # must not take the simulated scheduler down with it: its page hashes pack uint32 ids.
+            raise ApiError(400, f"input_ids must lie in [0, {_TOKEN_ID_LIMIT}): got "
+                                f"{min(item.input_ids)}..{max(item.input_ids)}")
         mx = item.params.max_new_tokens
         if mx is not None and mx < 0:
             raise ApiError(400, "max_new_tokens must be at least 0, got {}.".format(mx))

@@ -158,8 +158,8 @@ def chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list[
     kwargs = {} if body.get("reasoning_effort") is None else {"reasoning_effort": body["reasoning_effort"]}
     extra = body.get("chat_template_kwargs")
     kwargs.update(extra if isinstance(extra, dict) else {})
-    tools = sglang_tools(body.get("tools"), body.get("tool_choice"))
     try:
+        tools = sglang_tools(body.get("tools"), body.get("tool_choice"))
         chat = engine.tokenizer.render_chat(messages, tools, kwargs, bool(body.get("continue_final_message")))
     except Exception as exc:
         raise ApiError(400, f"chat template failed: {exc}") from None

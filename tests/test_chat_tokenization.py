@@ -264,6 +264,7 @@ def test_tools_reach_the_template_as_sglang_serializes_them(keys, values, outer_
     named = {"type": "function", "function": {"name": "other"}}
     assert sglang_tools([tool], "none") is None and sglang_tools([tool], named) is None
     assert sglang_tools([tool], {"type": "function", "function": {"name": "clock"}}) == [theirs]
+    assert sglang_tools([tool], {"function": "clock"}) is None  # malformed: no tool named, none passed
 
 
 def test_a_worker_without_tokenize_is_not_judged(models):

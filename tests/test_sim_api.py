@@ -131,6 +131,18 @@ def test_unknown_sampling_key_is_400(worker):
         client.chat.completions.create(model="m", messages=[], max_tokens=2)
 
 
+def test_token_ids_the_engine_cannot_hash_are_400_and_it_keeps_serving(worker):
+    """Found by the gateway's fuzzer: a negative id reached the output's page hashes (packed
+    as uint32) and killed the simulated scheduler, so every later request hung."""
+    for ids in ([-1], [0, 1 << 32]):
+        status, body = post(worker + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 80}})
+        assert status == 400 and "input_ids" in body["error"]["message"], body
+        status, body = post(worker + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 80})
+        assert status == 400, body
+    status, out = post(worker + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 80}})
+    assert status == 200 and len(out["output_ids"]) == 80
+
+
 def test_info_models_load_routes(worker):
     info = get(worker + "/server_info")
     for key in ("model_path", "served_model_name", "page_size", "dp_size", "disaggregation_mode",

@@ -125,7 +125,8 @@ def sglang_tools(tools: Any, tool_choice: Any = None) -> list[dict[str, Any]] | 
     if not all(isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) for t in tools):
         return list(tools)  # not a shape SGLang accepts: the engine will say so
     if isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name")
+        named = tool_choice.get("function")
+        name = named.get("name") if isinstance(named, Mapping) else None
         tools = [t for t in tools if t["function"].get("name") == name]
     out = []
     for tool in tools:
