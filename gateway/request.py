@@ -62,6 +62,11 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(t) is int for t in value)
 
 
+def _valid_ids(ids: Any) -> bool:
+    """Token ids, or a batch of them; never strings (which a prompt may be)."""
+    return isinstance(ids, list) and bool(ids) and (_is_ids(ids) or all(_is_ids(p) and p for p in ids))
+
+
 def _valid_prompt(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return True
@@ -96,8 +101,7 @@ def parse_body(raw: bytes, route: str) -> Body:
             raise GatewayError(400, "'prompt' must be a string, a list of strings, or token ids", param="prompt")
     elif (body.text is None) == (body.input_ids is None):
         raise GatewayError(400, "exactly one of 'text' or 'input_ids' is required", param="text")
-    elif body.input_ids is not None and not (_is_ids(body.input_ids) and body.input_ids
-                                             or _valid_prompt(body.input_ids) and not isinstance(body.input_ids, str)):
+    elif body.input_ids is not None and not _valid_ids(body.input_ids):
         raise GatewayError(400, "'input_ids' must be a list of token ids or a list of such lists", param="input_ids")
     return body
 

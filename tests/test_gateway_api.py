@@ -68,6 +68,15 @@ def test_malformed_bodies_get_openai_errors(fleet, body, fragment):
     assert fragment in data["error"]["message"] and data["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("ids", [[""], [[""]], [[]], [], "12", [1, [2]]])
+def test_input_ids_that_are_not_token_ids_are_400(fleet, ids):
+    """Found by the fuzzer: strings passed as a "list of prompts" reached the policy as
+    token ids and the gateway answered 500."""
+    gw, _ = fleet
+    status, data = request_json("POST", gw.url + "/generate", {"input_ids": ids})
+    assert status == 400 and data["error"]["param"] == "input_ids", data
+
+
 def test_native_generate_batch_and_rid(fleet):
     gw, _ = fleet
     status, data = request_json("POST", gw.url + "/generate", {
