@@ -51,6 +51,17 @@ class ApiError(Exception):
         self.err_type = err_type
 
 
+def check_client_ids(prompts: list[list[int]]) -> None:
+    """Token ids a client sent (a tokenizer's are in range by construction). SGLang leaves this
+    to the model (an embedding lookup out of range); here one bad request must not take the
+    simulated scheduler down with it: its page hashes pack ids as uint32."""
+    for ids in prompts:
+        if not all(isinstance(t, int) for t in ids):
+            raise ApiError(400, "input_ids must be a list of ints or a list of lists of ints")
+        if ids and not 0 <= min(ids) <= max(ids) < _TOKEN_ID_LIMIT:
+            raise ApiError(400, f"input_ids must lie in [0, {_TOKEN_ID_LIMIT}): got {min(ids)}..{max(ids)}")
+
+
 @dataclass(slots=True)
 class Item:
     """One sequence to generate (a batch or n>1 request expands into several)."""
@@ -223,8 +234,9 @@ class Engine:
             ids = body.input_ids
             batch = bool(ids) and isinstance(ids[0], list)
             prompts = ids if batch else [ids]
-            if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+            if not all(isinstance(p, list) for p in prompts):
                 raise ApiError(400, "input_ids must be a list of ints or a list of lists of ints")
+            check_client_ids(prompts)
         else:
             batch = isinstance(body.text, list)
             texts = body.text if batch else [body.text]
@@ -265,11 +277,6 @@ class Engine:
     def validate(self, item: Item) -> None:
         if not item.input_ids:
             raise ApiError(400, "The input_ids is empty.")
-        if not 0 <= min(item.input_ids) <= max(item.input_ids) < _TOKEN_ID_LIMIT:
-            # SGLang leaves this to the model (an embedding lookup out of range); one bad request
-            # must not take the simulated scheduler down with it: its page hashes pack uint32 ids.
-            raise ApiError(400, f"input_ids must lie in [0, {_TOKEN_ID_LIMIT}): got "
-                                f"{min(item.input_ids)}..{max(item.input_ids)}")
         mx = item.params.max_new_tokens
         if mx is not None and mx < 0:
             raise ApiError(400, "max_new_tokens must be at least 0, got {}.".format(mx))

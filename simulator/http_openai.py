@@ -18,7 +18,7 @@ from aiohttp import web
 
 from wire.chat_template import sglang_tools
 
-from .engine import ApiError, Engine, Item
+from .engine import ApiError, Engine, Item, check_client_ids
 from .http_common import DONE, ENGINE, json_response, open_sse, openai_error, sse
 from .http_native import apply_faults
 from .item_stream import merged
@@ -173,8 +173,10 @@ def _prompts(engine: Engine, prompt: Any) -> list[list[int]]:
         if all(isinstance(x, str) for x in prompt):
             return [engine.tokenizer.encode(x) for x in prompt]
         if all(isinstance(x, int) for x in prompt):
+            check_client_ids([prompt])
             return [list(prompt)]
         if all(isinstance(x, list) for x in prompt):
+            check_client_ids(prompt)
             return [list(x) for x in prompt]
     raise ApiError(400, "prompt must be a string, a list of strings or token ids")
 
