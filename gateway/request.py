@@ -16,7 +16,7 @@ import msgspec
 from gateway.encoding import PromptEncoder
 from gateway.errors import GatewayError
 from policies.base import RequestView
-from wire.chat_template import apply_chat_template, sglang_tools
+from wire.chat_template import apply_chat_template, sglang_tools, template_kwargs
 
 log = logging.getLogger("kvgate.request")
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
@@ -110,13 +110,6 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) and value else value
 
 
-def _template_kwargs(body: Body) -> dict[str, Any]:
-    """What SGLang passes a chat template beyond the messages: ``reasoning_effort`` when
-    given, then the request's ``chat_template_kwargs`` (``enable_thinking`` and the like)."""
-    kwargs: dict[str, Any] = {} if body.reasoning_effort is None else {"reasoning_effort": body.reasoning_effort}
-    return {**kwargs, **(body.chat_template_kwargs or {})}
-
-
 async def build_view(body: Body, route: str, headers: Any, request_id: str, encoder: PromptEncoder | None,
                      with_prompt: bool = True) -> RequestView:
     """``with_prompt=False`` skips the prompt text and token ids (no policy reads them).
@@ -128,7 +121,8 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
     elif route == CHAT and encoder is not None:
         try:
             chat = encoder.tokenizer.render_chat(body.messages or [], sglang_tools(body.tools, body.tool_choice),
-                                                 _template_kwargs(body), body.continue_final_message)
+                                                 template_kwargs(body.reasoning_effort, body.chat_template_kwargs),
+                                                 body.continue_final_message)
         except Exception as exc:  # the engine answers for its own template; routing goes on by text
             log.debug("chat template failed for %s, routing without token ids: %r", request_id, exc)
             text = apply_chat_template(body.messages or [])

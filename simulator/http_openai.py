@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 
-from wire.chat_template import sglang_tools
+from wire.chat_template import sglang_tools, template_kwargs
 
 from .engine import ApiError, Engine, Item, check_client_ids
 from .http_common import DONE, ENGINE, json_response, open_sse, openai_error, sse
@@ -155,9 +155,7 @@ def chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list[
     a template that fails is the client's error."""
     if not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "each message must be an object")
-    kwargs = {} if body.get("reasoning_effort") is None else {"reasoning_effort": body["reasoning_effort"]}
-    extra = body.get("chat_template_kwargs")
-    kwargs.update(extra if isinstance(extra, dict) else {})
+    kwargs = template_kwargs(body.get("reasoning_effort"), body.get("chat_template_kwargs"))
     try:
         tools = sglang_tools(body.get("tools"), body.get("tool_choice"))
         chat = engine.tokenizer.render_chat(messages, tools, kwargs, bool(body.get("continue_final_message")))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -145,12 +144,6 @@ async def _both(encoder, short: str, long: str) -> list[list[int]]:
     return [await encoder.text(short), await encoder.text(long)]
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
 @pytest.mark.parametrize("policy", ["kv_events", "cost"])
 def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models, policy):
     """``kvgate up --tokenizer DIR``: the simulated engines tokenize with the same model
@@ -166,8 +159,9 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
         cached = converse(base, model, conversations=2, turns=3, system_words=60, as_parts=True,
                           chat_template_kwargs={"enable_thinking": False})
         for n in range(3):  # text prompts: BOS first, then a shared document
-            out = _post(base + "/v1/completions", {"model": model, "max_tokens": 4,
-                                                   "prompt": "shared document " * 80 + f"ask {n}"})
+            status, out = request_json("POST", base + "/v1/completions", {
+                "model": model, "max_tokens": 4, "prompt": "shared document " * 80 + f"ask {n}"})
+            assert status == 200, out
             cached.append((n, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
         stats = policy_stats(base)
         off_loop = metric_value(get_text(base + "/metrics"), "kvgate_prompts_tokenized_off_loop")

@@ -117,6 +117,13 @@ def _with_parsed_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
+def template_kwargs(reasoning_effort: Any = None, chat_template_kwargs: Any = None) -> dict[str, Any]:
+    """What SGLang passes a chat template beyond the messages: ``reasoning_effort`` when
+    given, then the request's ``chat_template_kwargs`` (``enable_thinking`` and the like)."""
+    kwargs: dict[str, Any] = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
+    return {**kwargs, **(chat_template_kwargs if isinstance(chat_template_kwargs, Mapping) else {})}
+
+
 def sglang_tools(tools: Any, tool_choice: Any = None) -> list[dict[str, Any]] | None:
     """The ``tools`` a chat template sees: none for ``tool_choice`` "none", only the named
     function for a named choice, each as SGLang's ``Tool.model_dump()`` writes it."""
