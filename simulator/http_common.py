@@ -14,6 +14,20 @@ _enc = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
 
+_any = msgspec.json.Decoder()
+
+
+async def json_object(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object, else the 400 SGLang's OpenAI routes answer."""
+    try:
+        body = _any.decode(await request.read())
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"Invalid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "Request body must be a JSON object")
+    return body
+
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=_enc.encode(obj), status=status, content_type="application/json")
 

@@ -19,13 +19,12 @@ from aiohttp import web
 from wire.chat_template import sglang_tools, template_kwargs
 
 from .engine import ApiError, Engine, Item, check_client_ids
-from .http_common import DONE, ENGINE, json_response, open_sse, openai_error, sse
+from .http_common import DONE, ENGINE, json_object, json_response, open_sse, openai_error, sse
 from .http_native import apply_faults
 from .item_stream import merged
 from .protocol import SamplingParams
 from .runner import Progress, collect
 
-_decoder = msgspec.json.Decoder()
 
 _SAMPLING_FROM_OPENAI = {  # OpenAI/SGLang request field -> SGLang sampling param
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -105,11 +104,7 @@ def _usage(engine: Engine, ps: list[Progress]) -> dict[str, Any]:
 async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
-        body = _decoder.decode(await request.read())
-        if not isinstance(body, dict):
-            raise ApiError(400, "Request body must be a JSON object")
-    except msgspec.DecodeError as e:
-        return openai_error(ApiError(400, f"Invalid JSON: {e}"))
+        body = await json_object(request)
     except ApiError as e:
         return openai_error(e)
     try:

@@ -11,30 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from .engine import ApiError
-from .http_common import ENGINE, json_response, openai_error
+from .http_common import ENGINE, json_object, json_response, openai_error
 from .http_openai import chat_ids
-
-_decoder = msgspec.json.Decoder()
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = _decoder.decode(await request.read())
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"Invalid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "Request body must be a JSON object")
-    return body
-
 
 async def tokenize(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     try:
-        body = await _body(request)
+        body = await json_object(request)
         prompt, messages = body.get("prompt"), body.get("messages")
         if (prompt is None) == (messages is None):
             raise ApiError(400, "exactly one of 'prompt' or 'messages' is required")
@@ -59,7 +45,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     try:
-        body = await _body(request)
+        body = await json_object(request)
         tokens = body.get("tokens")
         batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
         seqs = tokens if batch else [tokens]
