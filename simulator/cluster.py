@@ -13,6 +13,7 @@ names DP rank 0's publisher; rank r is at its port + r, as in SGLang.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -69,7 +70,7 @@ def _status(url: str) -> int | None:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up yet, or another worker's ZMQ port (picked twice)
         return None
 
 

@@ -74,3 +74,30 @@ def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(mo
             assert http_status(c.urls[0] + "/health") == 200
     finally:
         squatter.close()
+
+
+def test_a_port_answering_zmq_is_not_ready_rather_than_a_crash():
+    """CI once saw a worker's picked HTTP port taken first by another worker's ZMQ socket:
+    the readiness poll got ZMQ's greeting and the whole cluster start raised. It must read
+    as "not up yet", so the worker's own bind failure leads to the retry with new ports."""
+    import socket
+    import threading
+
+    from simulator.cluster import _status
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def greet() -> None:  # read the HTTP request, answer ZMTP's signature, hang up cleanly
+            conn, _ = server.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data and len(data) < 65536:
+                    data += conn.recv(4096) or b"\r\n\r\n"
+                conn.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f")
+                conn.shutdown(socket.SHUT_WR)
+                conn.recv(16)
+
+        threading.Thread(target=greet, daemon=True).start()
+        assert _status(f"http://127.0.0.1:{server.getsockname()[1]}/health") is None
