@@ -5,11 +5,11 @@ Builds a fleet of ``--workers`` workers whose caches hold ``--blocks`` distinct 
 mixed tiers), each with the engine load it last reported, then times ``Policy.select`` on
 follow-up turns: the precise index (KV
 events), the approximate radix tree on the same keys, and the cost policy on each. The
-precise index learns each block's page key from the events' token ids (as the KV-event feed
-does) and matches prompts by page keys; a prompt's keys are computed once per request (as
-the gateway does) and reported both included ("select") and excluded ("index walk"), since
-they grow with prompt length and not with fleet size. SHA-256 page hashing, which the index
-needs only for blocks reported without token ids, is timed alone and as that fallback.
+precise index places each block in its page trie by the events' token ids (as the KV-event
+feed does) and matches a prompt by packing its ids once and comparing them with the trie's
+runs; packing is timed alone too, since it grows with prompt length and not with fleet size.
+SHA-256 page hashing, which the index needs only for blocks reported without token ids, is
+timed alone and as that fallback.
 The last rows time ``cost`` with a routing gateway's traffic between decisions (bookings
 changing, load reports replaced), and (``--live``) on a saturated fleet: every engine's KV
 pool full and N of this gateway's requests running on each worker, so it prices a KV wait
@@ -40,9 +40,8 @@ from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
 from policies.kv_events import KvEvents  # noqa: E402
-from policies.page_keys import page_keys, seed  # noqa: E402
 from policies.radix_index import RadixIndex  # noqa: E402
-from wire.hashing import page_hashes  # noqa: E402
+from wire.hashing import page_hashes, uint32_le  # noqa: E402
 
 MEDIUMS = ["GPU", "GPU", "GPU", "CPU_PINNED", "EXTERNAL"]
 
@@ -188,12 +187,9 @@ def main() -> None:
         tune_gc()
     results = []
     reqs = [nxt for _, nxt in turns("w")]
-    precise._hash_cache = len(reqs) + 1
-    for r in reqs:  # page keys computed and cached once, as select does before the walk
-        precise.keys_for(r, ps)
-    results.append(row("precise index walk (BlockIndex.match, page keys cached)", timed(precise.match, reqs, workers)))
+    results.append(row("precise index match (BlockIndex.match: pack the ids, walk the trie)",
+                       timed(precise.match, reqs, workers)))
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
-    precise._hash_cache = 64
     results.append(row("kv_events select, next turn", timed_turns(kv.select, "k")))
     results.append(row("cost select, precise index, next turn", timed_turns(cost_precise.select, "c")))
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
@@ -205,8 +201,8 @@ def main() -> None:
                        timed_turns(kv.select, "s")))
     precise.remove(workers[0].url, [12345])
     hash_reqs = [nxt for _, nxt in turns("h")]
-    results.append(row("page keys alone, full prompt (policies.page_keys)",
-                       timed(lambda r, _w: page_keys(r.token_ids, ps, seed(None)), hash_reqs, workers)))
+    results.append(row("packing the ids alone, full prompt (wire.hashing.uint32_le)",
+                       timed(lambda r, _w: uint32_le(r.token_ids), hash_reqs, workers)))
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
     def with_traffic(fleet: list[WorkerView], live: int, held: int, tag: str, polls: bool = False
@@ -282,7 +278,7 @@ def main() -> None:
     print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
     print(f"gc: {'CPython default' if args.no_gc_freeze else 'the gateway settings after setup (tune_gc)'}; "
           f"load average at end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}")
-    print(f"fleet: {args.workers} workers, {len(precise.blocks) + len(precise.pool - precise.blocks.keys()):,} "
+    print(f"fleet: {args.workers} workers, {len(precise._holders.keys() | precise.pool):,} "
           f"distinct blocks (page {ps}; {len(precise.pool):,} in the shared pool), "
           f"{n_conv} conversations x {args.turns} turns, prompts avg {avg_tokens:.0f} tokens")
     print(f"precise index: {mem_precise:.0f} MiB RSS, built in {build_precise:.1f} s; "

@@ -1,38 +1,36 @@
 """Precise prefix index: the blocks each worker reported through SGLang KV events.
 
-Blocks are named by *page keys* (``policies.page_keys``): a chain of Python hashes of each
-page's token tuple, seeded by the request's ``cache_salt``. SGLang names them by a SHA-256
-chain (``wire.hashing``), ~1 us per page in Python, which made hashing the prompt the
-largest part of a routing decision. ``BlockStored`` events carry every block's tokens and
-parent, so the index computes each block's key when the event arrives (off the decision
-path) and keeps ``block hash -> key`` for the events that name blocks by hash only
-(``BlockRemoved``, tiers reporting a block again). A prompt is then matched by its page
-keys, ~5x cheaper than its SHA chain, and no SHA-256 runs at decision time. Where a chain
-starts (``parent_block_hash`` is None) the first page's SHA is checked against the event's
-hash to learn which salt, if any, the engine hashed with, so salted and unsalted chains stay
+Pages live in a trie of page runs keyed by their tokens (``policies.page_trie``).
+``BlockStored`` events carry each block's tokens and parent, so each block gets its place
+in the trie when its event arrives, and ``block hash -> (run, offset)`` serves the events
+that name blocks by hash only (``BlockRemoved``, tiers reporting a block again). A prompt is
+matched by packing its ids once and comparing them with the runs in C: no hash of the
+prompt and no per-page lookup at decision time. (SGLang names pages by a SHA-256 chain,
+``wire.hashing``, ~1 us per page in Python; a chain of Python hashes per page plus a lookup
+per page in a dict of a million entries was the previous design, ~90 us per 2,600-token
+prompt against ~20 us now.) Where a chain starts (``parent_block_hash`` is None) the first
+page's SHA is checked against the event's hash to learn which salt, if any, the engine
+hashed with, and each (page size, salt) has its own root, so salted and unsalted chains stay
 apart exactly as their SHA chains do.
 
-Blocks whose key cannot be derived (an event without token ids, a parent the index never
-saw, a chain start hashed some other way) are kept under their block hash instead
+Blocks that cannot be placed (an event without token ids, a parent the index never saw, a
+chain start hashed some other way) are kept by block hash instead
 (``index_hash_keyed_blocks``). While any exist the walk also computes the prompt's SHA chain
-(memoised across turns, ``policies.page_hash_cache``) and ORs both lookups, so matches
+(memoised across turns, ``policies.page_hash_cache``) and ORs both, page by page, so matches
 stay exactly what a SHA-keyed index gives; the cost comes back only while such blocks do. A
-block first seen without tokens moves to its page key when an event brings them.
+block first seen without tokens moves to its place when an event brings them.
 
-Every worker gets a slot; a key maps to one int with three bits per slot, set when the
+Every worker gets a slot; a page's mask is one int with three bits per slot, set when the
 worker holds the block on GPU (bit ``3*slot``), on GPU or host (``3*slot+1``), in any tier
-including the shared pool (``3*slot+2``). The prompt's keys are looked up with
-``map(dict.get)`` and AND-accumulated (``itertools.accumulate``), both in C: bit
-``3*slot+t`` of the running AND is set exactly while every page so far is in tier <= t on
-that worker; it stops at the first page no candidate holds, so a prompt's new pages cost
-no lookup. The few positions where the running AND changes (found by bisection) give every
-worker's prefix length per tier. Each worker's own raw tier bits per block hash live in its
-slot's dict (used for updates).
-
-Every page up to there is still looked up (~0.2 us each in a 1M-entry dict, memory
-latency): bisecting on the raw masks would be exact only if no worker ever held a block
-without its parent, and lost events, out-of-order tier changes and expiring speculative
-entries all make such holes. Proving their absence needs per-block child counts; not done.
+including the shared pool (``3*slot+2``). Along the prompt's path the masks are
+AND-accumulated: bit ``3*slot+t`` of the running AND is set exactly while every page so far
+is in tier <= t on that worker, so the positions where it loses bits give every worker's
+prefix length per tier. A run whose matched pages all carry one mask (the usual case: a
+conversation's pages are stored and evicted together) costs one AND; others are accumulated
+in C and bisected for the few positions where bits drop. A page held out of order (a hole
+from a lost event, an expiring speculative entry) ends the prefix there, as it would in the
+engine. Each worker's own raw tier bits per block hash live in its slot's dict (used for
+updates), and how many workers hold each hash decides when a block is forgotten.
 
 Parent links (by block hash) are kept for each stored block so a worker's chains can be
 read back (``chain``) and blocks whose parent the worker never reported are counted
@@ -40,14 +38,15 @@ read back (``chain``) and blocks whose parent the worker never reported are coun
 
 The Mooncake pool (medium ``EXTERNAL``/``DISK``) is one store shared by every engine
 attached to it, so by default (``shared_pool``) a page any engine announced there counts for
-every worker: it is kept once, in ``pool``, and a worker's prefix extends through it
-whatever that worker holds itself. Per-worker pool bits remain for fleets whose engines do
-not share one pool (``shared_pool=False``).
+every worker: it is flagged once on its page, and a worker's prefix extends through the
+pool's leading pages whatever that worker holds itself. Per-worker pool bits remain for
+fleets whose engines do not share one pool (``shared_pool=False``).
 
 Speculative entries cover the time between routing a request and the engine's
 ``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
-known to hold as on its GPU for ``speculative_ttl_s`` seconds, by the page keys the walk
-already computed; the walk ORs them in, from the first page where a recorded run starts.
+known to hold as on its GPU for ``speculative_ttl_s`` seconds, adding the pages to the trie
+if they are new (one append or one new run); expiry clears them and trims what no block
+names.
 """
 
 from __future__ import annotations
@@ -55,20 +54,21 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import accumulate, chain as chained, compress, count, filterfalse, islice, repeat, takewhile
+from itertools import accumulate, chain as chained, filterfalse, repeat, takewhile
 from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
 from policies.page_hash_cache import PageHashCache
-from policies.page_keys import page_keys, seed
+from policies.page_trie import Path, Run, grow, step, trim, walk
 from policies.prefix_index import IndexMatch, Tiers, Unit
-from wire.hashing import page_hashes
+from wire.hashing import page_hashes, uint32_le
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
 
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
 _CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
 _url = attrgetter("url")
+Place = tuple[Run, int]
 
 
 def medium_tier(medium: str | None) -> int:
@@ -82,8 +82,110 @@ def _bit_indexes(mask: int):
         mask ^= low
 
 
+def _set_mask(run: Run, i: int, mask: int) -> None:
+    """Store a page's mask, sharing the int object of an equal neighbour: a run of one mask
+    is then one object repeated, which ``list.count`` checks by identity (big ints compared
+    by value cost ~20 ns each, ~5 us for a 250-page run on every match)."""
+    masks = run.masks
+    if i and masks[i - 1] == mask:
+        mask = masks[i - 1]
+    elif i + 1 < len(masks) and masks[i + 1] == mask:
+        mask = masks[i + 1]
+    masks[i] = mask
+
+
+def _drops(acc: list[int], base: int, pages: dict[int, int]) -> None:
+    """``acc`` is a running AND (``acc[0]`` before the first page): for every bit it loses,
+    record how many pages kept it (plus ``base``), bisecting for the few changes."""
+    stack = [(0, len(acc) - 1)]
+    while stack:
+        lo, hi = stack.pop()
+        if acc[lo] == acc[hi]:
+            continue
+        if hi - lo == 1:
+            if base + lo:  # bits no page kept are misses: not recorded
+                for b in _bit_indexes(acc[lo] & ~acc[hi]):
+                    pages[b] = base + lo
+            continue
+        mid = (lo + hi) // 2
+        stack.append((lo, mid))
+        stack.append((mid, hi))
+
+
+def _held_pages(masks: Iterable[int], wanted: int) -> dict[int, int]:
+    """Bit index -> number of leading pages whose mask has that bit, page by page. The
+    running AND stops at the first page no candidate holds."""
+    acc = list(takewhile(bool, accumulate(masks, and_, initial=wanted)))
+    pages: dict[int, int] = {}
+    if len(acc) > 1:
+        _drops(acc, 0, pages)
+        for b in _bit_indexes(acc[-1]):
+            pages[b] = len(acc) - 1
+    return pages
+
+
+def _path_masks(run: Run, n: int) -> list[int]:
+    """The first ``n`` pages' masks with their speculative bits."""
+    masks = run.masks if n == len(run.masks) else run.masks[:n]
+    return masks if run.spec is None else list(map(or_, masks, run.spec))
+
+
+def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
+    """``_held_pages`` over a trie path, one AND per run whose pages share one mask."""
+    pages: dict[int, int] = {}
+    acc, pos = wanted, 0
+    for run, n in path:
+        masks = run.masks if n == len(run.masks) else run.masks[:n]
+        first = masks[0]
+        uniform = masks.count(first) == n
+        if uniform and run.spec is not None:  # and its speculative bits, if they are uniform too
+            spec = run.spec if n == len(run.spec) else run.spec[:n]
+            uniform = spec.count(spec[0]) == n
+            if uniform:
+                first |= spec[0]
+            else:
+                masks = list(map(or_, masks, spec))
+        elif run.spec is not None:
+            masks = list(map(or_, masks, run.spec))
+        if uniform:
+            new = acc & first
+            if new != acc and pos:  # (bits lost on the first page are misses: not recorded)
+                for b in _bit_indexes(acc & ~new):
+                    pages[b] = pos
+            acc = new
+        else:
+            running = list(takewhile(bool, accumulate(masks, and_, initial=acc)))
+            _drops(running, pos, pages)
+            if len(running) <= n:  # some page held by no candidate left
+                if pos + len(running) > 1:
+                    for b in _bit_indexes(running[-1]):
+                        pages[b] = pos + len(running) - 1
+                return pages
+            acc = running[-1]
+        if not acc:
+            return pages
+        pos += n
+    for b in _bit_indexes(acc):
+        pages[b] = pos
+    return pages
+
+
+def _pooled_on_path(path: Path) -> int:
+    """Leading pages of the path that the shared pool holds."""
+    pooled = 0
+    for run, n in path:
+        flags = run.pooled
+        if flags is None:
+            break
+        gap = flags.find(0, 0, n)
+        if gap >= 0:
+            return pooled + gap
+        pooled += n
+    return pooled
+
+
 class BlockIndex:
-    """``PrefixIndex`` over KV-event blocks, keyed by page keys; lengths are in tokens."""
+    """``PrefixIndex`` over KV-event blocks, placed in a page trie; lengths are in tokens."""
 
     unit: Unit = "tokens"
 
@@ -91,12 +193,14 @@ class BlockIndex:
                  hash_cache: int = 64, shared_pool: bool = True) -> None:
         self.default_page_size = int(default_page_size)
         self.shared_pool = bool(shared_pool)
-        self.pool: set[int] = set()  # keys of pages in the shared store (when shared_pool)
+        self.pool: set[int] = set()  # block hashes in the shared store (when shared_pool)
         self.speculative_ttl_s = float(speculative_ttl_s)
-        self.blocks: dict[int, int] = {}  # key -> tier bits of every slot
         self.parent: dict[int, int | None] = {}  # block hash -> parent block hash
-        self._key: dict[int, int] = {}  # block hash -> page key, for blocks learned with tokens
-        self._by_hash: set[int] = set()  # block hashes that are their own key (no tokens known)
+        self._roots: dict[tuple[int, str | None], Run] = {}  # (page size, salt) -> trie root
+        self._where: dict[int, Place] = {}  # block hash -> its page in the trie
+        self._holders: dict[int, int] = {}  # block hash -> how many workers hold it
+        self._hashed: dict[int, int] = {}  # block hash -> tier bits, for blocks with no place
+        self._by_hash: set[int] = set()  # block hashes held (or pooled) with no place
         self._slots: dict[str, int] = {}
         self._urls: list[str | None] = []
         self._owned: list[dict[int, int]] = []  # per slot: block hash -> raw tier bits
@@ -104,16 +208,17 @@ class BlockIndex:
         self._cumulative: list[list[int]] = []  # per slot: _CUMULATIVE shifted into place
         self._free: list[int] = []
         self._page_size: dict[str, int] = {}
-        self._spec: dict[int, int] = {}
-        self._spec_until: dict[int, dict[int, float]] = {}  # slot -> page key -> expiry
-        self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
-        self._spec_starts: dict[int, int] = {}  # first key of each queued record -> how many
-        self._prompts: OrderedDict[tuple, list] = OrderedDict()  # -> [tokens, keys, SHA chain]
+        self._spec_runs: dict[int, set[Run]] = {}  # slot -> runs holding its speculative bits
+        self._spec_queue: deque[tuple[float, int, list[tuple[Run, int, int]]]] = deque()
+        self._prompts: OrderedDict[tuple, list] = OrderedDict()  # -> [tokens, packed, SHA chain]
         self._hash_cache = hash_cache
         self.chains = PageHashCache()
         self._last_match: tuple[str, dict[str, Tiers]] | None = None
+        self._last_walk: tuple | None = None  # (request id, page size, epoch, walk result)
+        self._epoch = 0  # bumps on every change, so a cached walk is known to be current
         self._version = 0  # bumps when slots or page sizes change
         self._groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int, list[str], frozenset[str]]]]] = {}
+        self._last_candidates: tuple[int, list[WorkerView], list] = (-1, [], [])
         self.orphans = 0
         self.events_applied = 0
         self.clears = 0
@@ -166,106 +271,114 @@ class BlockIndex:
         if s is None:
             return
         self.clears += 1
-        keep = ~(7 << (3 * s))
-        blocks, key_of = self.blocks, self._key
-        for h in self._owned[s]:
-            k = key_of.get(h, h)
-            m = blocks.get(k, 0) & keep
-            if m:
-                blocks[k] = m
+        self._epoch += 1
+        keep = self._keep[s]
+        owned, self._owned[s] = self._owned[s], {}
+        where, hashed = self._where, self._hashed
+        for h in owned:
+            place = where.get(h)
+            if place is not None:
+                run, i = place
+                _set_mask(run, i, run.masks[i] & keep)
             else:
-                blocks.pop(k, None)
-                self._drop(h, k)
-        self._owned[s] = {}
-        for k in self._spec_until.pop(s, {}):
-            m = self._spec.get(k, 0) & keep
-            if m:
-                self._spec[k] = m
-            else:
-                self._spec.pop(k, None)
+                m = hashed.get(h, 0) & keep
+                if m:
+                    hashed[h] = m
+                else:
+                    hashed.pop(h, None)
+            self._unhold(h)
+        for run in self._spec_runs.pop(s, ()):
+            if run.until is None or run.until.pop(s, None) is None:
+                continue
+            if not run.until:
+                run.until = None
+            if run.spec is not None:
+                run.spec[:] = map(and_, run.spec, repeat(keep))
+                if not any(run.spec):
+                    run.spec = None
+            trim(run, self._roots)
 
     def worker_size(self, url: str) -> int:
         s = self._slots.get(url)
         return len(self._owned[s]) if s is not None else 0
 
-    # -- keys ---------------------------------------------------------------------------
-    def key_of(self, block_hash: int) -> int:
-        """The key a reported block is indexed by (its block hash when no tokens were seen)."""
-        return self._key.get(block_hash, block_hash)
-
-    def _chain_start(self, block_hash: int, first_page: list[int], cache_salt: str | None) -> int | None:
-        """The key before a chain's first block: the seed of whichever salt the engine hashed
-        the page with (checked against its hash), or None when neither fits."""
+    # -- placing blocks -----------------------------------------------------------------
+    def _chain_salt(self, block_hash: int, first_page: list[int], cache_salt: str | None) -> tuple[bool, str | None]:
+        """Which salt the engine hashed a chain's first page with (checked against its hash):
+        (True, salt or None), or (False, None) when neither fits."""
         try:
             for salt in ((cache_salt, None) if cache_salt else (None,)):
                 if page_hashes(first_page, len(first_page), salt)[0] == block_hash:
-                    return seed(salt)
+                    return True, salt
         except (OverflowError, TypeError):  # ids SGLang could not have hashed: keep it by hash
             pass
-        return None
+        return False, None
 
-    def _learn(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
-               page_size: int, cache_salt: str | None) -> list[int]:
-        """Keys for the blocks of one ``BlockStored``, remembering those derived from tokens."""
-        key_of = self._key
-        if len(hashes) == 1:  # SGLang sends one page per event: keep that path short
-            h = hashes[0]
-            k = key_of.get(h)
-            if k is not None:
-                return [k]
-            if token_ids and len(token_ids) >= page_size:
-                if parent is None:
-                    start = self._chain_start(h, list(token_ids[:page_size]), cache_salt)
+    def _root(self, page_size: int, salt: str | None) -> Run:
+        root = self._roots.get((page_size, salt))
+        if root is None:
+            root = self._roots[(page_size, salt)] = Run(None, (page_size, salt), 4 * page_size)
+        return root
+
+    def _place(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
+               page_size: int, cache_salt: str | None) -> list[Place | None]:
+        """The trie place of each block of one ``BlockStored`` (None: kept by hash)."""
+        where = self._where
+        packed = None
+        n = len(hashes)
+        if n and token_ids and len(token_ids) >= n * page_size:
+            try:
+                packed = uint32_le(token_ids if len(token_ids) == n * page_size else token_ids[: n * page_size])
+            except (OverflowError, TypeError):
+                packed = None
+        prev: Place | None = where.get(parent) if parent is not None else None
+        if packed is not None and parent is None and hashes[0] not in where:
+            known, salt = self._chain_salt(hashes[0], list(token_ids[:page_size]), cache_salt)
+            if known:
+                prev = (self._root(page_size, salt), -1)
+        width = 4 * page_size
+        out: list[Place | None] = []
+        for i, h in enumerate(hashes):
+            place = where.get(h)
+            if place is None:
+                if packed is not None and prev is not None and prev[0].width == width:
+                    place = step(prev[0], prev[1] + 1, packed[i * width:(i + 1) * width])
+                    where[h] = place
+                    place[0].refs[place[1]] += 1
+                    if h in self._by_hash:  # first reported without tokens: move it here
+                        self._by_hash.discard(h)
+                        m = self._hashed.pop(h, 0)
+                        if m:
+                            _set_mask(place[0], place[1], place[0].masks[place[1]] | m)
+                        if h in self.pool:
+                            place[0].mark_pooled(place[1], True)
                 else:
-                    start = key_of.get(parent)
-                if start is not None:
-                    page = tuple(token_ids if len(token_ids) == page_size else token_ids[:page_size])
-                    k = hash((start, page))  # page_keys' step, inlined
-                    if self._by_hash:
-                        self._rekey(hashes, [k])
-                    key_of[h] = k
-                    return [k]
-            self._by_hash.add(h)
-            return [h]
-        if token_ids and hashes and len(token_ids) >= len(hashes) * page_size:
-            if parent is None:
-                start = self._chain_start(hashes[0], list(token_ids[:page_size]), cache_salt)
-            else:
-                start = key_of.get(parent)
-            if start is not None:
-                keys = page_keys(token_ids[: len(hashes) * page_size], page_size, start)
-                if self._by_hash:
-                    self._rekey(hashes, keys)
-                return [key_of.setdefault(h, k) for h, k in zip(hashes, keys)]
-        out = []
-        by_hash = self._by_hash
-        for h in hashes:
-            k = key_of.get(h)
-            if k is None:
-                k = h
-                by_hash.add(h)
-            out.append(k)
+                    self._by_hash.add(h)
+            out.append(place)
+            prev = place
         return out
 
-    def _rekey(self, hashes: Sequence[int], keys: Sequence[int]) -> None:
-        """Move blocks first reported without tokens to the keys their tokens give."""
-        blocks, pool, by_hash = self.blocks, self.pool, self._by_hash
-        for h, k in zip(hashes, keys):
-            if h in by_hash and h not in self._key:
-                by_hash.discard(h)
-                m = blocks.pop(h, 0)
-                if m:
-                    blocks[k] = blocks.get(k, 0) | m
-                if h in pool:
-                    pool.discard(h)
-                    pool.add(k)
+    def _unhold(self, h: int) -> None:
+        """One worker less holds ``h``; forget it when none does and the pool does not."""
+        left = self._holders.get(h, 0) - 1
+        if left > 0:
+            self._holders[h] = left
+            return
+        self._holders.pop(h, None)
+        if h not in self.pool:
+            self._release(h)
 
-    def _drop(self, h: int, k: int) -> None:
-        """Forget block hash ``h`` once no worker holds it and the pool does not either."""
+    def _release(self, h: int) -> None:
         self.parent.pop(h, None)
-        if k not in self.pool:
-            self._key.pop(h, None)
+        place = self._where.pop(h, None)
+        if place is None:
             self._by_hash.discard(h)
+            self._hashed.pop(h, None)
+            return
+        run, i = place
+        run.refs[i] -= 1
+        if not run.refs[i]:
+            trim(run, self._roots)
 
     # -- events -------------------------------------------------------------------------
     def apply_batch(self, url: str, events: Sequence[Event | BlockStoredRef]) -> None:
@@ -292,57 +405,79 @@ class BlockIndex:
               cache_salt: str | None = None) -> None:
         if block_size and self._page_size.get(url) != block_size:  # the engine's own word
             self.set_page_size(url, block_size)
-        keys = self._learn(hashes, parent, token_ids,
-                           block_size or self._page_size.get(url, self.default_page_size), cache_salt)
+        self._epoch += 1
+        places = self._place(hashes, parent, token_ids,
+                             block_size or self._page_size.get(url, self.default_page_size), cache_salt)
         s = self._slots.get(url)
         if s is None:
             s = self.slot(url)
         if tier == 2 and self.shared_pool:
-            self.pool.update(keys)
+            self.pool.update(hashes)
+            for place in places:
+                if place is not None:
+                    place[0].mark_pooled(place[1], True)
             return
         keep, cumulative = self._keep[s], self._cumulative[s]
-        blocks, parents, owned = self.blocks, self.parent, self._owned[s]
+        parents, owned, holders, hashed = self.parent, self._owned[s], self._holders, self._hashed
         if parent is not None and parent not in owned:
             self.orphans += 1
         bit = 1 << tier
-        for h, k in zip(hashes, keys):
-            raw = owned.get(h, 0) | bit
+        for h, place in zip(hashes, places):
+            raw = owned.get(h)
+            if raw is None:
+                holders[h] = holders.get(h, 0) + 1
+                raw = 0
+            raw |= bit
             owned[h] = raw
-            blocks[k] = (blocks.get(k, 0) & keep) | cumulative[raw]
+            if place is not None:
+                run, i = place
+                _set_mask(run, i, (run.masks[i] & keep) | cumulative[raw])
+            else:
+                hashed[h] = (hashed.get(h, 0) & keep) | cumulative[raw]
             parents[h] = parent
             parent = h
 
     def remove(self, url: str, hashes: Sequence[int], tier: int = 0) -> None:
-        key_of = self._key
+        self._epoch += 1
+        where = self._where
         if tier == 2 and self.shared_pool:  # the store evicted it: gone for everyone
             for h in hashes:
-                k = key_of.get(h, h)
-                self.pool.discard(k)
-                if k not in self.blocks:
-                    self._drop(h, k)
+                if h not in self.pool:
+                    continue
+                self.pool.discard(h)
+                place = where.get(h)
+                if place is not None:
+                    place[0].mark_pooled(place[1], False)
+                if h not in self._holders:
+                    self._release(h)
             return
         s = self._slots.get(url)
         if s is None:
             return
         shift = 3 * s
         keep = ~(7 << shift)
-        blocks, owned = self.blocks, self._owned[s]
+        owned, hashed = self._owned[s], self._hashed
         for h in hashes:
             raw = owned.get(h)
             if raw is None:
                 continue
             raw &= ~(1 << tier)
-            k = key_of.get(h, h)
-            m = (blocks.get(k, 0) & keep) | (_CUMULATIVE[raw] << shift)
+            bits = _CUMULATIVE[raw] << shift
+            place = where.get(h)
+            if place is not None:
+                run, i = place
+                _set_mask(run, i, (run.masks[i] & keep) | bits)
+            else:
+                m = (hashed.get(h, 0) & keep) | bits
+                if m:
+                    hashed[h] = m
+                else:
+                    hashed.pop(h, None)
             if raw:
                 owned[h] = raw
             else:
                 del owned[h]
-            if m:
-                blocks[k] = m
-            else:
-                blocks.pop(k, None)
-                self._drop(h, k)
+                self._unhold(h)
 
     def chain(self, h: int, limit: int = 1 << 20) -> list[int]:
         """The stored chain ending at block hash ``h``, root first."""
@@ -357,37 +492,61 @@ class BlockIndex:
     def usable(self, request: RequestView) -> bool:
         return request.token_ids is not None
 
-    def _prompt(self, request: RequestView, page_size: int) -> list:
-        """[tokens, page keys, SHA chain or None] of the request, cached briefly: select and
-        record both need them."""
+    def _prompt(self, request: RequestView) -> list:
+        """[tokens, packed ids (None if some id is no uint32), SHA chains by page size],
+        cached briefly: select and record both need them."""
         tokens = request.token_ids or []
-        key = (request.request_id, page_size, request.cache_salt)
+        key = (request.request_id, request.cache_salt)
         got = self._prompts.get(key)
         # The cache holds the token list itself, so identity cannot be a recycled id().
         if got is None or got[0] is not tokens:
-            got = [tokens, page_keys(tokens, page_size, seed(request.cache_salt)), None]
+            try:
+                packed = uint32_le(tokens)
+            except (OverflowError, TypeError):
+                packed = None
+            got = [tokens, packed, {}]
             self._prompts[key] = got
             if len(self._prompts) > self._hash_cache:
                 self._prompts.popitem(last=False)
         return got
 
-    def keys_for(self, request: RequestView, page_size: int) -> list[int]:
-        """The request's page keys (see ``policies.page_keys``)."""
-        return self._prompt(request, page_size)[1]
-
     def hashes_for(self, request: RequestView, page_size: int) -> list[int]:
         """The request's SHA page chain, needed only while blocks are keyed by hash."""
-        got = self._prompt(request, page_size)
-        if got[2] is None:
-            got[2] = self.chains.hashes(got[0], page_size, request.cache_salt)
-        return got[2]
+        got = self._prompt(request)
+        chains = got[2]
+        if page_size not in chains:
+            try:
+                chains[page_size] = self.chains.hashes(got[0], page_size, request.cache_salt)
+            except (OverflowError, TypeError):
+                chains[page_size] = []
+        return chains[page_size]
+
+    def _walk(self, request: RequestView, page_size: int) -> tuple[bytes, Path, Run | None, int]:
+        """The request's packed ids and its path in the trie (cached until the index changes)."""
+        packed = self._prompt(request)[1]
+        last = self._last_walk
+        if (last is not None and last[0] == request.request_id and last[1] == page_size
+                and last[2] == self._epoch and last[3][0] is packed):
+            return last[3]
+        root = self._roots.get((page_size, request.cache_salt or None))
+        if packed is None or root is None:
+            got: tuple[bytes, Path, Run | None, int] = (packed or b"", [], root, 0)
+        else:
+            got = (packed, *walk(root, packed))
+        self._last_walk = (request.request_id, page_size, self._epoch, got)
+        return got
 
     def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str], frozenset[str]]]:
         """(page size, mask of the candidates' bits, their urls as a list and a set) groups,
         cached per worker set."""
+        last = self._last_candidates
+        # Usually the same worker objects as last time: the list compares them by identity, in C.
+        if last[0] == self._version and workers == last[1]:
+            return last[2]
         key = tuple(map(_url, workers))
         got = self._groups.get(key)
         if got is not None and got[0] == self._version:
+            self._last_candidates = (self._version, list(workers), got[1])
             return got[1]
         groups: dict[int, tuple[int, list[str]]] = {}
         for w in workers:
@@ -399,6 +558,7 @@ class BlockIndex:
         if len(self._groups) > 256:
             self._groups.clear()
         self._groups[key] = (self._version, [(ps, m, u, frozenset(u)) for ps, (m, u) in groups.items()])
+        self._last_candidates = (self._version, list(workers), self._groups[key][1])
         return self._groups[key][1]
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
@@ -408,67 +568,31 @@ class BlockIndex:
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
         for ps, wanted, urls, members in self._candidates(workers):
-            keys = self.keys_for(request, ps)
-            hashes = self.hashes_for(request, ps) if self._by_hash else None
-            self._walk(keys, hashes, wanted, ps, result.hits)
-            if self.pool:
-                self._extend_through_pool(keys, hashes, ps, urls, members, result.hits)
+            _, path, _, _ = self._walk(request, ps)
+            if self._by_hash:  # some blocks are known by hash only: page by page, with their SHA chain
+                hashes = self.hashes_for(request, ps)
+                on_path = chained(chained.from_iterable(_path_masks(r, n) for r, n in path), repeat(0))
+                pages = _held_pages(map(or_, on_path, map(self._hashed.get, hashes, repeat(0))), wanted)
+                flags = chained(chained.from_iterable(r.pooled[:n] if r.pooled else bytes(n) for r, n in path),
+                                repeat(0))
+                pooled = len(list(takewhile(bool, map(or_, flags, map(self.pool.__contains__, hashes)))))
+            elif path:
+                pages, pooled = _held_on_path(path, wanted), _pooled_on_path(path)
+            else:
+                continue
+            hits = result.hits
+            for b, a in pages.items():
+                if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
+                    g, h = pages.get(b - 2, 0), pages.get(b - 1, 0)
+                    hits[self._urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
+            if pooled:
+                self._extend_through_pool(pooled * ps, urls, members, hits)
         self._last_match = (request.request_id, result.hits)
         return result
 
     @staticmethod
-    def _prefix_pages(masks: Iterable[int], wanted: int) -> dict[int, int]:
-        """Bit index -> number of leading pages whose mask has that bit (bits of ``wanted``).
-        The running AND stops at the first page no candidate holds, so lookups past it
-        (a prompt's new pages, a miss) are never made."""
-        acc = list(takewhile(bool, accumulate(masks, and_, initial=wanted)))[1:]
-        if not acc:
-            return {}
-        n = len(acc)
-        pages: dict[int, int] = dict.fromkeys(_bit_indexes(acc[n - 1]), n)
-        stack = [(0, n - 1)]
-        while stack:  # bisect for the few positions where the running AND loses bits
-            lo, hi = stack.pop()
-            if acc[lo] == acc[hi]:
-                continue
-            if hi - lo == 1:
-                for b in _bit_indexes(acc[lo] & ~acc[hi]):
-                    pages[b] = hi
-                continue
-            mid = (lo + hi) // 2
-            stack.append((lo, mid))
-            stack.append((mid, hi))
-        return pages
-
-    def _walk(self, keys: list[int], hashes: list[int] | None, wanted: int, ps: int,
-              hits: dict[str, Tiers]) -> None:
-        get = self.blocks.get
-        masks = map(get, keys, repeat(0))
-        if hashes is not None:  # some blocks are known by hash only: look those up too
-            masks = map(or_, masks, map(get, hashes, repeat(0)))
-        if self._spec:  # speculative pages count as GPU; OR them in, all in C
-            # They come in runs recorded from some prompt's page on, and a key names its whole
-            # prefix, so a run that reaches this chain starts on it: no page before the first
-            # run start found here (in a small dict) needs a look in the large one.
-            first = next(compress(count(), map(self._spec_starts.__contains__, keys)), None)
-            if first is not None:
-                spec = map(self._spec.get, islice(keys, first, None), repeat(0))
-                masks = map(or_, masks, chained(repeat(0, first), spec))
-        pages = self._prefix_pages(masks, wanted)
-        urls = self._urls
-        for b, a in pages.items():
-            if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
-                g, h = pages.get(b - 2, 0), pages.get(b - 1, 0)
-                hits[urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
-
-    def _extend_through_pool(self, keys: list[int], hashes: list[int] | None, ps: int,
-                             urls: list[str], members: frozenset[str], hits: dict[str, Tiers]) -> None:
+    def _extend_through_pool(pooled: int, urls: list[str], members: frozenset[str], hits: dict[str, Tiers]) -> None:
         """Any worker can load the shared pool's leading pages past what it holds itself."""
-        pooled_ = self.pool.__contains__
-        held = map(pooled_, keys) if hashes is None else map(or_, map(pooled_, keys), map(pooled_, hashes))
-        pooled = len(list(takewhile(bool, held))) * ps
-        if not pooled:
-            return
         for url, t in list(hits.items()):  # the few workers holding some of it themselves
             if pooled > t.total and url in members:
                 hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
@@ -481,50 +605,100 @@ class BlockIndex:
             return
         s = self.slot(worker.url)
         ps = self.page_size_of(worker)
-        keys = self.keys_for(request, ps)
+        packed, path, end, at = self._walk(request, ps)
+        width = 4 * ps
+        pages = len(packed) // width
+        if not pages:
+            return
         last = self._last_match
+        skip = 0
         if last is not None and last[0] == request.request_id and worker.url in last[1]:
             # Pages the worker already holds on GPU (reported, or speculative) need no entry.
-            keys = keys[last[1][worker.url].gpu // ps:]
-        if not keys:
-            return
+            skip = last[1][worker.url].gpu // ps
+        ranges: list[tuple[Run, int, int]] = []
+        done = 0
+        for run, n in path:
+            if skip < done + n:
+                ranges.append((run, max(0, skip - done), n))
+            done += n
+        if done < pages:
+            if end is None:
+                end, at = self._root(ps, request.cache_salt or None), 0
+            run, first = grow(end, at, packed[done * width: pages * width])
+            ranges.append((run, first + max(0, skip - done), first + pages - done))
+        self._epoch += 1
         until = time.monotonic() + self.speculative_ttl_s
         bits = 7 << (3 * s)
-        spec = self._spec
-        spec.update(zip(keys, map(or_, map(spec.get, keys, repeat(0)), repeat(bits))))  # in C
-        self._spec_until.setdefault(s, {}).update(zip(keys, repeat(until)))
-        self._spec_queue.append((until, s, keys))
-        self._spec_starts[keys[0]] = self._spec_starts.get(keys[0], 0) + 1
+        runs = self._spec_runs.setdefault(s, set())
+        for run, a, b in ranges:
+            if a >= b:
+                continue
+            spec = run.spec_list()
+            if spec[a:b].count(spec[a]) == b - a:  # one value before, one (shared) object after
+                spec[a:b] = repeat(spec[a] | bits, b - a)
+            else:
+                spec[a:b] = map(or_, spec[a:b], repeat(bits))  # in C
+            if run.until is None:
+                run.until = {}
+            times = run.until.get(s)
+            if times is None:
+                times = run.until[s] = [0.0] * b
+            elif len(times) < b:
+                times.extend(repeat(0.0, b - len(times)))
+            times[a:b] = repeat(until, b - a)
+            runs.add(run)
+        self._spec_queue.append((until, s, ranges))
 
     def expire(self, now: float | None = None, limit: int | None = None) -> None:
         now = time.monotonic() if now is None else now
-        q, spec = self._spec_queue, self._spec
+        q = self._spec_queue
         while q and q[0][0] <= now and limit != 0:
             limit = None if limit is None else limit - 1
-            until, s, keys = q.popleft()
-            left = self._spec_starts.pop(keys[0], 1) - 1
-            if left:
-                self._spec_starts[keys[0]] = left
+            until, s, ranges = q.popleft()
+            self._epoch += 1
             clear = ~(7 << (3 * s))
-            spec_until = self._spec_until.get(s, {})
-            for k in keys:
-                if spec_until.get(k) == until:  # not refreshed by a later request
-                    del spec_until[k]
-                    m = spec.get(k, 0) & clear
-                    if m:
-                        spec[k] = m
+            for run, a, b in ranges:
+                times = run.until.get(s) if run.until else None
+                spec = run.spec
+                if times is None or spec is None:
+                    continue  # the worker was cleared since
+                b = min(b, len(times), len(spec))
+                if a >= b:
+                    continue
+                if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
+                    if spec[a:b].count(spec[a]) == b - a:
+                        spec[a:b] = repeat(spec[a] & clear, b - a)
                     else:
-                        spec.pop(k, None)
+                        spec[a:b] = map(and_, spec[a:b], repeat(clear))
+                    times[a:b] = repeat(0.0, b - a)
+                else:
+                    for i in range(a, b):
+                        if times[i] == until:
+                            times[i] = 0.0
+                            spec[i] &= clear
+                if not any(times):
+                    del run.until[s]
+                    self._spec_runs.get(s, set()).discard(run)
+                    if not run.until:
+                        run.until = None
+                if not any(spec):
+                    run.spec = None
+                trim(run, self._roots)
 
     def maintain(self, now: float | None = None) -> None:
         self.expire(now)
 
+    def speculative_pages(self) -> int:
+        """Pages carrying some worker's speculative bits (counted, for stats and tests)."""
+        runs = set().union(*self._spec_runs.values()) if self._spec_runs else set()
+        return sum(len(r.spec) - r.spec.count(0) for r in runs if r.spec is not None)
+
     def stats(self) -> Mapping[str, float]:
         return {
-            "index_blocks": len(self.blocks),
+            "index_blocks": len(self._holders),
             "index_pool_blocks": len(self.pool),
             "index_hash_keyed_blocks": len(self._by_hash),
-            "index_speculative_blocks": len(self._spec),
+            "index_speculative_blocks": self.speculative_pages(),
             "index_workers": len(self._slots),
             "index_orphan_blocks": self.orphans,
             "index_events_applied": self.events_applied,

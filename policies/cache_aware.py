@@ -96,8 +96,16 @@ class CacheAware(Policy):
         self.verifier = make_verifier(self.name, options)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
+        self._positions_of: tuple[list[WorkerView], dict[str, int]] = ([], {})
 
     # -- decision -----------------------------------------------------------------------
+    def _positions(self, workers: Sequence[WorkerView]) -> dict[str, int]:
+        """url -> place in ``workers`` (the first, if listed twice), kept while the list
+        holds the same worker objects (compared by identity, in C)."""
+        if workers != self._positions_of[0]:
+            self._positions_of = (list(workers), {w.url: i for i, w in reversed(list(enumerate(workers)))})
+        return self._positions_of[1]
+
     def _least_loaded(self, workers: Sequence[WorkerView], loads: list[int], lo: int) -> WorkerView:
         tied = [w for w, load in zip(workers, loads) if load == lo]
         if len(tied) == 1:
@@ -116,11 +124,10 @@ class CacheAware(Policy):
         best = max(scores.values(), default=0.0)
         if match.query_len and best / match.query_len > self.cache_threshold:
             floor = best * self.tie_ratio
-            urls = list(map(_url, workers))
+            at = self._positions(workers).get
             found = []
             for url, score in scores.items():
-                if score >= floor and url in urls:
-                    i = urls.index(url)
+                if score >= floor and (i := at(url)) is not None:
                     found.append((loads[i], -score, i))
             if found:
                 return workers[min(found)[2]], "prefix"

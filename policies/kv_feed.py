@@ -91,6 +91,7 @@ class KvEventFeed:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[Publisher, asyncio.Task] = {}
         self._workers: dict[str, WorkerView] = {}
+        self._followed: list[WorkerView] = []  # the last worker list follow() checked
         self._waiting: set[str] = set()  # known workers whose server_info named no publisher yet
         self._warned: set[str] = set()
         self._recheck_at = 0.0
@@ -130,10 +131,13 @@ class KvEventFeed:
     def follow(self, workers: Sequence[WorkerView]) -> None:
         """Add workers the gateway routes to but never announced; re-check, at most once a
         second, those whose server_info named no publisher (discovery can lag registration)."""
-        known = self._workers
-        for w in workers:
-            if w.url not in known:
-                self.add(w)
+        # Usually the very list of worker objects seen last time: compared by identity, in C.
+        if workers != self._followed:
+            known = self._workers
+            for w in workers:
+                if w.url not in known:
+                    self.add(w)
+            self._followed = list(workers)
         if self._waiting and time.monotonic() >= self._recheck_at:
             self._recheck_at = time.monotonic() + 1.0
             for url in list(self._waiting):

@@ -62,8 +62,11 @@ def test_match_equals_naive_chains(operations, queries):
         got = {u: tuple(t) for u, t in index.match(req(tokens), WORKERS).hits.items()}
         assert got == naive(held, page_hashes(tokens, PS))
     owned = {h for blocks in held.values() for h, _ in blocks}
-    assert set(index.blocks) == {index.key_of(h) for h in owned}
+    assert set(index._holders) == owned and set(index._where) == owned
     assert not index.stats()["index_hash_keyed_blocks"]  # every store carried its tokens
+    for url in URLS:  # what nobody holds leaves the trie
+        index.apply(url, AllBlocksCleared())
+    assert not index._roots and not index._where and not index.parent
 
 
 def test_sglang_test_vector_and_salt():
@@ -175,7 +178,7 @@ def test_speculative_pages_extend_reported_ones():
     request = req(follow_up, rid="f")
     assert index.match(request, WORKERS).hits[URLS[0]].gpu == 8
     index.record(request, WORKERS[0])
-    assert len(index._spec) == 2  # only the two new pages
+    assert index.speculative_pages() == 2  # only the two new pages
     assert index.match(req(follow_up + [9], rid="g"), WORKERS).hits[URLS[0]].gpu == 12
 
 

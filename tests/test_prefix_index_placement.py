@@ -1,4 +1,5 @@
-"""The precise index keyed by page keys learned from events, against SGLang's SHA chains.
+"""The precise index, with blocks placed in its page trie by the events' tokens, against
+SGLang's SHA chains.
 
 Events may or may not carry token ids, chains arrive split over several events, salts
 separate chains: whatever the mix, matches must be those of an index keyed by SHA hashes.
@@ -6,7 +7,6 @@ separate chains: whatever the mix, matches must be those of an index keyed by SH
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,10 +14,9 @@ import policies.block_index as block_index
 from policies.base import RequestView, WorkerView
 from policies.block_index import BlockIndex
 from policies.page_hash_cache import PageHashCache
-from policies.page_keys import page_keys, seed
 from tests.test_prefix_index_blocks import PS as BLOCKS_PS
 from tests.test_prefix_index_blocks import naive as naive_held
-from wire.hashing import page_hashes
+from wire.hashing import page_hashes, uint32_le
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 PS = BLOCKS_PS  # the models share the page size
@@ -95,8 +94,9 @@ def test_page_keyed_index_matches_like_sha_chains(operations, queries, shared_po
         got = {u: tuple(t) for u, t in index.match(req(tokens, salt), WORKERS).hits.items()}
         assert got == naive(held, pool, page_hashes(tokens, PS, salt))
     owned = {h for blocks in held.values() for h, _ in blocks}
-    assert set(index.blocks) == {index.key_of(h) for h in owned}
-    assert index.pool == {index.key_of(h) for h in pool}
+    assert set(index._holders) == owned
+    assert index.pool == pool
+    assert set(index._where) | index._by_hash == owned | pool
 
 
 def test_salts_separate_chains_whatever_the_engine_hashed_with():
@@ -151,7 +151,8 @@ def test_blocks_reported_by_hash_first_move_to_their_keys():
     index.apply(URLS[1], BlockRemoved(hashes[:3], "EXTERNAL"))
     assert set(index.match(req(tokens), WORKERS).hits) == {URLS[2]}
     index.clear_worker(URLS[2])
-    assert not index.blocks and not index.pool and not index._key and not index.parent
+    assert not index._holders and not index.pool and not index._where and not index.parent
+    assert not index._roots  # the trie let go of every page
 
 
 def test_a_child_of_an_unknown_parent_is_keyed_by_hash_until_it_goes():
@@ -170,49 +171,45 @@ def test_a_child_of_an_unknown_parent_is_keyed_by_hash_until_it_goes():
 
 @settings(max_examples=100, deadline=None)
 @given(ops)
-def test_key_collisions_only_mispredict(monkeypatch_ops):
-    """With keys forced to collide (4 possible values), updates and walks must not fail."""
-    real = block_index.page_keys
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(block_index, "page_keys", lambda t, ps, s: [k % 4 for k in real(t, ps, s)])
-        index = BlockIndex(speculative_ttl_s=30)
-        for op, url, tokens, tier, salt, with_tokens, cut in monkeypatch_ops:
-            hashes = page_hashes(tokens, PS, salt)
-            if op == "store":
-                index.apply(url, BlockStored(hashes, None, tokens if with_tokens else [], PS, None,
-                                             MEDIUMS[tier], cache_salt=salt))
-            elif op == "remove":
-                index.apply(url, BlockRemoved(hashes[cut % (len(hashes) + 1):], MEDIUMS[tier]))
-            else:
-                index.apply(url, AllBlocksCleared())
-            request = req(tokens, salt, rid=f"{op}{cut}")
-            index.match(request, WORKERS)
-            index.record(request, WORKERS[cut % len(WORKERS)])
-        index.expire(now=10**12)
-        for url in URLS:
-            index.remove_worker(url)
-        assert not index.blocks and not index._spec
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.lists(st.integers(0, 2**32 - 1), max_size=12),
-       st.sampled_from([1, 2, 4]), st.sampled_from(SALTS))
-def test_page_keys_chain_like_the_sha_chain(first, rest, page_size, salt):
-    first = first[: len(first) - len(first) % page_size]
-    keys = page_keys(first + rest, page_size, seed(salt))
-    assert len(keys) == len(page_hashes(first + rest, page_size, salt))  # full pages only
-    head = page_keys(first, page_size, seed(salt))
-    assert keys[: len(head)] == head
-    assert keys[len(head):] == page_keys(rest, page_size, head[-1] if head else seed(salt))
-    other = page_keys(first + rest, page_size, seed("x" if salt is None else None))
-    assert not set(keys) & set(other)  # another salt never shares a page
-    assert seed("") == seed(None)
+def test_hashes_that_disagree_with_their_tokens_only_mispredict(operations):
+    """Hashes forced to collide (5 possible values, so one hash names pages of different
+    tokens and chains cross): updates, walks and records must not fail, and once every
+    worker is gone and every speculative entry expired only the pool's blocks remain."""
+    index = BlockIndex(speculative_ttl_s=30)
+    for op, url, tokens, tier, salt, with_tokens, cut in operations:
+        hashes = [h % 5 for h in page_hashes(tokens, PS, salt)]
+        if op == "store":
+            index.apply(url, BlockStored(hashes, None, tokens if with_tokens else [], PS, None,
+                                         MEDIUMS[tier], cache_salt=salt))
+        elif op == "remove":
+            index.apply(url, BlockRemoved(hashes[cut % (len(hashes) + 1):], MEDIUMS[tier]))
+        else:
+            index.apply(url, AllBlocksCleared())
+        request = req(tokens, salt, rid=f"{op}{cut}")
+        index.match(request, WORKERS)
+        index.record(request, WORKERS[cut % len(WORKERS)])
+    index.expire(now=10**12)
+    for url in URLS:
+        index.remove_worker(url)
+    assert not index._holders and index.speculative_pages() == 0
+    assert set(index._where) | index._by_hash <= index.pool
 
 
 def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tuple]:
-    """Every page's reported and speculative bits, read one by one (no shortcut)."""
-    keys = page_keys(tokens, PS, seed(None))
-    masks = [index.blocks.get(k, 0) | index._spec.get(k, 0) for k in keys]
+    """Every page's reported and speculative bits, found in the trie one page at a time
+    (no run compared whole, no shortcut for runs of one mask)."""
+    masks = []
+    run, at, width = index._roots.get((PS, None)), 0, 4 * PS
+    for start in range(0, len(tokens) - len(tokens) % PS, PS):
+        if run is None:
+            break
+        page = uint32_le(tokens[start:start + PS])
+        if not (at < len(run.masks) and bytes(run.key[at * width:(at + 1) * width]) == page):
+            run, at = run.children.get(at, {}).get(page), 0
+            if run is None:
+                break
+        masks.append(run.masks[at] | (run.spec[at] if run.spec else 0))
+        at += 1
     out = {}
     for url in URLS:
         s = index._slots.get(url)
@@ -233,9 +230,10 @@ def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tupl
 @given(st.lists(st.tuples(st.sampled_from(["record", "record", "store", "expire", "clear"]),
                           st.integers(0, 3), seqs, st.integers(0, 3)), max_size=25),
        st.lists(seqs, min_size=1, max_size=4))
-def test_speculative_runs_are_found_from_their_first_page(operations, queries):
-    """The walk skips spec lookups before the first recorded run start on the prompt's chain;
-    matches must equal a page-by-page read of every page's bits."""
+def test_runs_match_as_a_page_by_page_read(operations, queries):
+    """Speculative pages grow runs and add children, stores confirm some, expiry and clears
+    trim them: matches (whole-run comparisons, one AND per uniform run) must equal a
+    page-by-page read of every page's bits."""
     index = BlockIndex(default_page_size=PS, speculative_ttl_s=60)
     for i, (op, w, tokens, n) in enumerate(operations):
         if op == "record":
@@ -252,10 +250,95 @@ def test_speculative_runs_are_found_from_their_first_page(operations, queries):
         got = {u: tuple(t) for u, t in index.match(req(tokens, rid="q"), WORKERS).hits.items()}
         assert got == _walked_page_by_page(index, tokens)
     index.expire(now=10**12)
-    assert not index._spec and not index._spec_starts
+    assert index.speculative_pages() == 0 and not any(index._spec_runs.values())
+    for url in URLS:
+        index.clear_worker(url)
+    assert not index._roots
 
 
 def test_a_chain_start_with_ids_no_engine_hashes_stays_keyed_by_hash():
     index = BlockIndex(default_page_size=PS)
     index.apply(URLS[0], BlockStored([42], None, [2**40, -1], PS))  # must not raise
     assert index.stats()["index_hash_keyed_blocks"] == 1
+
+
+CONVERSATIONS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 2, 2, 1, 1, 0, 0, 2, 1],
+                 [0, 1, 1, 1, 2, 0, 0, 2, 1, 2, 2, 2]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "remove_one", "clear"]),
+                          st.sampled_from(URLS), st.integers(0, 2), st.integers(0, 12), st.integers(0, 2),
+                          st.integers(0, 6), st.booleans()), max_size=40),
+       st.booleans())
+def test_workers_sharing_conversations_match_like_sha_chains(operations, shared_pool):
+    """Few conversations, so workers hold overlapping prefixes: runs carry different masks
+    page by page, chains diverge inside runs, single removals leave holes (a lost event)
+    and whole runs empty out. Stores arrive in two parts; matches must equal the model's."""
+    index = BlockIndex(speculative_ttl_s=0, shared_pool=shared_pool)
+    held: dict[str, set[tuple[int, int]]] = {}
+    pool: set[int] = set()
+    for op, url, conv, length, tier, cut, with_tokens in operations:
+        tokens = CONVERSATIONS[conv][:length]
+        hashes = page_hashes(tokens, PS)
+        pooled = tier == 2 and shared_pool
+        if op == "store" and hashes:
+            held.setdefault(url, set())
+            cut = min(cut, len(hashes))
+            for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
+                if hashes[part]:
+                    part_tokens = tokens[part.start * PS: (part.start + len(hashes[part])) * PS]
+                    index.apply(url, BlockStored(hashes[part], parent, part_tokens if with_tokens else [], PS,
+                                                 None, MEDIUMS[tier]))
+            if pooled:
+                pool |= set(hashes)
+            else:
+                held[url] |= {(h, tier) for h in hashes}
+        elif op in ("remove", "remove_one"):
+            gone = hashes[cut:] if op == "remove" else hashes[cut:cut + 1]
+            index.apply(url, BlockRemoved(gone, MEDIUMS[tier]))
+            if pooled:
+                pool -= set(gone)
+            elif url in held:
+                held[url] -= {(h, tier) for h in gone}
+        elif op == "clear":
+            index.apply(url, AllBlocksCleared())
+            if url in held:
+                held[url] = set()
+        for conv_tokens in CONVERSATIONS:
+            for n in (4, 12):
+                got = {u: tuple(t) for u, t in index.match(req(conv_tokens[:n]), WORKERS).hits.items()}
+                assert got == naive(held, pool, page_hashes(conv_tokens[:n], PS))
+    for url in URLS:
+        index.apply(url, AllBlocksCleared())
+    index.apply(URLS[0], BlockRemoved(list(pool), "EXTERNAL"))
+    assert not index._where and not index._by_hash and not index._roots  # nothing left behind
+
+
+def test_a_dead_page_with_branches_after_it_stays_in_its_run():
+    """A hole (a lost removal) under a branch: the dead page must keep its place, or a page
+    of another chain appended there would inherit the branch."""
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=0)
+    p0, p1, p2, q2, r1 = [0, 0], [1, 1], [2, 2], [3, 3], [4, 4]
+    a, b, c = p0 + p1 + p2, p0 + p1 + q2, p0 + r1 + q2
+    for url, tokens in ((URLS[0], a), (URLS[1], b)):
+        index.apply(url, BlockStored(page_hashes(tokens, PS), None, tokens, PS))
+    index.apply(URLS[0], BlockRemoved(page_hashes(a, PS)[1:]))
+    index.apply(URLS[1], BlockRemoved(page_hashes(b, PS)[1:2]))  # p1 only: q2 stays, behind a hole
+    index.apply(URLS[1], BlockStored(page_hashes(c, PS)[:2], None, c[:4], PS))
+    hits = index.match(req(c), WORKERS).hits
+    assert tuple(hits[URLS[1]]) == (4, 0, 0)  # p0 r1: its q2 follows p1, not r1
+    assert tuple(hits[URLS[0]]) == (2, 0, 0)
+
+
+def test_speculative_pages_refreshed_by_a_later_request_outlive_the_first():
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=5)
+    tokens = list(range(8))
+    index.record(req(tokens, rid="a"), WORKERS[0])
+    first = index._spec_queue[0][0]
+    index.speculative_ttl_s = 50
+    index.record(req(tokens + [9, 9], rid="b"), WORKERS[0])
+    index.expire(now=first + 1)  # the first record's time is up, not the second's
+    assert index.match(req(tokens + [9, 9], rid="c"), WORKERS).hits[URLS[0]].gpu == 10
+    index.expire(now=first + 100)
+    assert not index.match(req(tokens, rid="d"), WORKERS).hits and not index._roots
