@@ -205,6 +205,37 @@ def main() -> None:
                        timed(lambda r, _w: uint32_le(r.token_ids), hash_reqs, workers)))
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)
     results.append(row("page hashing alone, full prompt (wire.hashing.page_hashes)", hash_us))
+
+    # The event path (on the gateway's loop, off the request's): SGLang sends one page per
+    # BlockStored, parent first, and evicts leaf first. New chains of 40 pages on one worker,
+    # half continuing a fleet conversation's first turn, half new, then removed page by page.
+    from wire.kv_events import BlockRemoved, BlockStored  # noqa: E402
+
+    ev = random.Random(args.seed + 7)
+    chains = []
+    for i in range(max(2, args.decisions // 20)):
+        head = conversation(ev.randrange(n_conv), args.conv_pages, ps)[:cut] if i % 2 else []
+        tokens = head + [ev.randrange(32_000) for _ in range(40 * ps)]
+        chains.append((tokens[len(head):], page_hashes(tokens, ps)[len(head) // ps:],
+                       page_hashes(head, ps)[-1] if head else None))
+    url = workers[-1].url
+    stores = [[BlockStored([h], parent if j == 0 else hashes[j - 1], tokens[j * ps:(j + 1) * ps], ps)
+               for j, h in enumerate(hashes)] for tokens, hashes, parent in chains]
+    removes = [[BlockRemoved([h]) for h in reversed(hashes)] for _, hashes, _ in chains]
+    half = len(stores) // 2
+    results.append(row("apply one BlockStored alone (one page with its tokens)",
+                       timed(lambda e, _w: precise.apply(url, e), [e for b in stores[:half] for e in b], workers)))
+    results.append(row("apply one BlockRemoved alone (one page, leaf first)",
+                       timed(lambda e, _w: precise.apply(url, e), [e for b in removes[:half] for e in b], workers)))
+    per_page = [(w / 40, c / 40) for w, c in zip(*timed(lambda b, _w: precise.apply_batch(url, b), stores[half:],
+                                                          workers))]
+    results.append(row("apply a batch of 40 BlockStored (a step's chain, one page each), per page",
+                       ([w for w, _ in per_page], [c for _, c in per_page])))
+    per_page = [(w / 40, c / 40) for w, c in zip(*timed(lambda b, _w: precise.apply_batch(url, b), removes[half:],
+                                                          workers))]
+    results.append(row("apply a batch of 40 BlockRemoved, per page",
+                       ([w for w, _ in per_page], [c for _, c in per_page])))
+
     def with_traffic(fleet: list[WorkerView], live: int, held: int, tag: str, polls: bool = False
                      ) -> tuple[list[float], list[float]]:
         """``cost`` (approx index) with ``live`` requests of ``held`` prompt tokens booked

@@ -209,6 +209,7 @@ class BlockIndex:
         self._free: list[int] = []
         self._page_size: dict[str, int] = {}
         self._spec_runs: dict[int, set[Run]] = {}  # slot -> runs holding its speculative bits
+        self._dirty: set[Run] = set()  # runs with pages no hash names any more, to trim
         self._spec_queue: deque[tuple[float, int, list[tuple[Run, int, int]]]] = deque()
         self._prompts: OrderedDict[tuple, list] = OrderedDict()  # -> [tokens, packed, SHA chain]
         self._hash_cache = hash_cache
@@ -287,6 +288,7 @@ class BlockIndex:
                 else:
                     hashed.pop(h, None)
             self._unhold(h)
+        self._trim_dirty()
         for run in self._spec_runs.pop(s, ()):
             if run.until is None or run.until.pop(s, None) is None:
                 continue
@@ -321,8 +323,10 @@ class BlockIndex:
         return root
 
     def _place(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
-               page_size: int, cache_salt: str | None) -> list[Place | None]:
-        """The trie place of each block of one ``BlockStored`` (None: kept by hash)."""
+               page_size: int, cache_salt: str | None) -> tuple[list[Place | None], int]:
+        """The trie place of each block of one ``BlockStored`` (None: kept by hash), and
+        from which block on the chain was new and appended whole (``len(hashes)`` if not):
+        those blocks are known to nobody yet, which ``store`` uses to update them in bulk."""
         where = self._where
         packed = None
         n = len(hashes)
@@ -342,7 +346,16 @@ class BlockIndex:
             place = where.get(h)
             if place is None:
                 if packed is not None and prev is not None and prev[0].width == width:
-                    place = step(prev[0], prev[1] + 1, packed[i * width:(i + 1) * width])
+                    run, at = prev[0], prev[1] + 1
+                    if n - i > 1 and at == len(run.masks) and at not in run.children:
+                        rest = hashes[i:]
+                        if self._new_chain(rest):  # a new chain at the end of a run: append it whole
+                            run.append(packed[i * width:], n - i)
+                            run.refs[at:] = repeat(1, n - i)
+                            out += zip(repeat(run), range(at, at + n - i))
+                            where.update(zip(rest, out[i:]))
+                            return out, i
+                    place = step(run, at, packed if n == 1 else packed[i * width:(i + 1) * width])
                     where[h] = place
                     place[0].refs[place[1]] += 1
                     if h in self._by_hash:  # first reported without tokens: move it here
@@ -356,7 +369,13 @@ class BlockIndex:
                     self._by_hash.add(h)
             out.append(place)
             prev = place
-        return out
+        return out, n
+
+    def _new_chain(self, hashes: Sequence[int]) -> bool:
+        """No block of ``hashes`` is known (placed, kept by hash, pooled) and none repeats."""
+        where, by_hash = self._where, self._by_hash
+        return (not any(map(where.__contains__, hashes)) and not (by_hash and any(map(by_hash.__contains__, hashes)))
+                and len(set(hashes)) == len(hashes))
 
     def _unhold(self, h: int) -> None:
         """One worker less holds ``h``; forget it when none does and the pool does not."""
@@ -378,21 +397,59 @@ class BlockIndex:
         run, i = place
         run.refs[i] -= 1
         if not run.refs[i]:
+            self._dirty.add(run)  # trimmed once the whole event is applied
+
+    def _trim_dirty(self) -> None:
+        """Trim the runs that lost pages: once per run and event, however many it lost
+        (an eviction removes a chain leaf first, one page per event)."""
+        for run in self._dirty:
             trim(run, self._roots)
+        self._dirty.clear()
 
     # -- events -------------------------------------------------------------------------
     def apply_batch(self, url: str, events: Sequence[Event | BlockStoredRef]) -> None:
-        """A decoded batch, with the per-event work kept to a dict lookup for the medium."""
+        """A decoded batch, with the per-event work kept to a dict lookup for the medium.
+
+        SGLang sends one page per ``BlockStored``, and the pages one scheduler step stored
+        arrive together, each the child of the one before: such a run of events is applied
+        as one store, so a new chain is appended to the trie whole instead of page by page.
+        Consecutive removals in one medium are applied as one too (an eviction's pages)."""
         stored, removed, tiers = (BlockStored, BlockStoredRef), BlockRemoved, TIER_OF_MEDIUM
-        for event in events:
+        i, n = 0, len(events)
+        while i < n:
+            event = events[i]
+            i += 1
             if isinstance(event, stored):
+                hashes, tokens = event.block_hashes, getattr(event, "token_ids", None)
+                kind, size, same = type(event), event.block_size, (event.medium, event.cache_salt, event.lora_id)
+                # Joined only while every event's tokens are whole pages (or none has tokens).
+                whole = tokens is None or (len(tokens) == len(hashes) * size and hashes)
+                while whole and i < n:
+                    nxt = events[i]
+                    if (type(nxt) is not kind or nxt.parent_block_hash != hashes[-1]
+                            or nxt.block_size != size or (nxt.medium, nxt.cache_salt, nxt.lora_id) != same):
+                        break
+                    if tokens is not None and len(nxt.token_ids) != len(nxt.block_hashes) * size:
+                        break
+                    if hashes is event.block_hashes:
+                        hashes, tokens = list(hashes), (list(tokens) if tokens is not None else None)
+                    hashes += nxt.block_hashes
+                    if tokens is not None:
+                        tokens += nxt.token_ids
+                    i += 1
                 tier = tiers.get(event.medium or "GPU")
-                self.store(url, event.block_hashes, event.parent_block_hash,
+                self.store(url, hashes, event.parent_block_hash,
                            medium_tier(event.medium) if tier is None else tier, event.block_size,
-                           getattr(event, "token_ids", None), event.cache_salt)
+                           tokens, event.cache_salt)
             elif isinstance(event, removed):
+                hashes = event.block_hashes
+                while i < n and type(events[i]) is BlockRemoved and events[i].medium == event.medium:
+                    if hashes is event.block_hashes:
+                        hashes = list(hashes)
+                    hashes += events[i].block_hashes  # type: ignore[union-attr]
+                    i += 1
                 tier = tiers.get(event.medium or "GPU")
-                self.remove(url, event.block_hashes, medium_tier(event.medium) if tier is None else tier)
+                self.remove(url, hashes, medium_tier(event.medium) if tier is None else tier)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_worker(url)
         self.events_applied += len(events)
@@ -406,8 +463,8 @@ class BlockIndex:
         if block_size and self._page_size.get(url) != block_size:  # the engine's own word
             self.set_page_size(url, block_size)
         self._epoch += 1
-        places = self._place(hashes, parent, token_ids,
-                             block_size or self._page_size.get(url, self.default_page_size), cache_salt)
+        places, new = self._place(hashes, parent, token_ids,
+                                  block_size or self._page_size.get(url, self.default_page_size), cache_salt)
         s = self._slots.get(url)
         if s is None:
             s = self.slot(url)
@@ -422,7 +479,7 @@ class BlockIndex:
         if parent is not None and parent not in owned:
             self.orphans += 1
         bit = 1 << tier
-        for h, place in zip(hashes, places):
+        for h, place in zip(hashes[:new], places):
             raw = owned.get(h)
             if raw is None:
                 holders[h] = holders.get(h, 0) + 1
@@ -436,6 +493,13 @@ class BlockIndex:
                 hashed[h] = (hashed.get(h, 0) & keep) | cumulative[raw]
             parents[h] = parent
             parent = h
+        if new < len(hashes):  # blocks nobody knew, appended whole to one run: all at once, in C
+            rest = hashes[new:]
+            run, at = places[new]  # type: ignore[misc]
+            owned.update(zip(rest, repeat(bit)))
+            holders.update(zip(rest, repeat(1)))
+            run.masks[at:at + len(rest)] = repeat(cumulative[bit], len(rest))
+            parents.update(zip(rest, chained((parent,), rest)))
 
     def remove(self, url: str, hashes: Sequence[int], tier: int = 0) -> None:
         self._epoch += 1
@@ -450,6 +514,7 @@ class BlockIndex:
                     place[0].mark_pooled(place[1], False)
                 if h not in self._holders:
                     self._release(h)
+            self._trim_dirty()
             return
         s = self._slots.get(url)
         if s is None:
@@ -478,6 +543,7 @@ class BlockIndex:
             else:
                 del owned[h]
                 self._unhold(h)
+        self._trim_dirty()
 
     def chain(self, h: int, limit: int = 1 << 20) -> list[int]:
         """The stored chain ending at block hash ``h``, root first."""
@@ -615,6 +681,8 @@ class BlockIndex:
         if last is not None and last[0] == request.request_id and worker.url in last[1]:
             # Pages the worker already holds on GPU (reported, or speculative) need no entry.
             skip = last[1][worker.url].gpu // ps
+        if skip >= pages:
+            return
         ranges: list[tuple[Run, int, int]] = []
         done = 0
         for run, n in path:

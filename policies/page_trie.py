@@ -45,8 +45,12 @@ class Run:
 
     def append(self, pages: bytes, n: int) -> None:
         self.key += pages
-        self.masks.extend(repeat(0, n))
-        self.refs.extend(repeat(0, n))
+        if n == 1:  # KV events bring one page at a time
+            self.masks.append(0)
+            self.refs.append(0)
+        else:
+            self.masks.extend(repeat(0, n))
+            self.refs.extend(repeat(0, n))
         if self.spec is not None:
             self.spec.extend(repeat(0, n))
         if self.pooled is not None:
@@ -129,17 +133,15 @@ def step(run: Run, at: int, page: bytes) -> tuple[Run, int]:
     return grow(run, at, page)
 
 
-def _dead(run: Run, i: int) -> bool:
-    return not (run.refs[i] or run.masks[i] or (run.spec is not None and run.spec[i])
-                or (run.pooled is not None and run.pooled[i]))
-
-
 def trim(run: Run, roots: dict) -> None:
-    """Drop dead pages from the tail of ``run``, and runs left empty, upwards."""
+    """Drop dead pages (no hash names them, no speculative bit, not pooled) from the tail of
+    ``run``, and runs left empty, upwards."""
     width = run.width
     while True:
         n = len(run.masks)
-        while n and n not in run.children and _dead(run, n - 1):
+        refs, masks, spec, pooled, children = run.refs, run.masks, run.spec, run.pooled, run.children
+        while (n and not (refs[n - 1] or masks[n - 1]) and n not in children
+               and (spec is None or not spec[n - 1]) and (pooled is None or not pooled[n - 1])):
             n -= 1
         if n < len(run.masks):
             del run.key[n * width:], run.masks[n:], run.refs[n:]

@@ -177,7 +177,8 @@ def test_hashes_that_disagree_with_their_tokens_only_mispredict(operations):
     worker is gone and every speculative entry expired only the pool's blocks remain."""
     index = BlockIndex(speculative_ttl_s=30)
     for op, url, tokens, tier, salt, with_tokens, cut in operations:
-        hashes = [h % 5 for h in page_hashes(tokens, PS, salt)]
+        hashes = page_hashes(tokens, PS, salt)
+        hashes = hashes[:1] + [h % 5 for h in hashes[1:]]  # a real chain start, so pages get placed
         if op == "store":
             index.apply(url, BlockStored(hashes, None, tokens if with_tokens else [], PS, None,
                                          MEDIUMS[tier], cache_salt=salt))
@@ -193,6 +194,8 @@ def test_hashes_that_disagree_with_their_tokens_only_mispredict(operations):
         index.remove_worker(url)
     assert not index._holders and index.speculative_pages() == 0
     assert set(index._where) | index._by_hash <= index.pool
+    index.remove(URLS[0], list(index.pool), tier=2)
+    assert not index._where and not index._by_hash and not index._roots  # every page let go
 
 
 def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tuple]:
@@ -269,34 +272,44 @@ CONVERSATIONS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 2, 2, 1, 1, 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "remove_one", "clear"]),
                           st.sampled_from(URLS), st.integers(0, 2), st.integers(0, 12), st.integers(0, 2),
-                          st.integers(0, 6), st.booleans()), max_size=40),
+                          st.integers(0, 6), st.booleans(), st.booleans()), max_size=40),
        st.booleans())
 def test_workers_sharing_conversations_match_like_sha_chains(operations, shared_pool):
     """Few conversations, so workers hold overlapping prefixes: runs carry different masks
     page by page, chains diverge inside runs, single removals leave holes (a lost event)
-    and whole runs empty out. Stores arrive in two parts; matches must equal the model's."""
+    and whole runs empty out. Stores arrive in two parts, or as SGLang sends them (one
+    batch, one page per event, which the index applies as one chain); matches must equal
+    the model's."""
     index = BlockIndex(speculative_ttl_s=0, shared_pool=shared_pool)
     held: dict[str, set[tuple[int, int]]] = {}
     pool: set[int] = set()
-    for op, url, conv, length, tier, cut, with_tokens in operations:
+    for op, url, conv, length, tier, cut, with_tokens, as_pages in operations:
         tokens = CONVERSATIONS[conv][:length]
         hashes = page_hashes(tokens, PS)
         pooled = tier == 2 and shared_pool
         if op == "store" and hashes:
+            if as_pages:
+                index.apply_batch(url, [BlockStored([h], hashes[j - 1] if j else None,
+                                                    tokens[j * PS:(j + 1) * PS] if with_tokens else [], PS, None,
+                                                    MEDIUMS[tier]) for j, h in enumerate(hashes)])
+            else:
+                cut = min(cut, len(hashes))
+                for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
+                    if hashes[part]:
+                        part_tokens = tokens[part.start * PS: (part.start + len(hashes[part])) * PS]
+                        index.apply(url, BlockStored(hashes[part], parent, part_tokens if with_tokens else [], PS,
+                                                     None, MEDIUMS[tier]))
             held.setdefault(url, set())
-            cut = min(cut, len(hashes))
-            for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
-                if hashes[part]:
-                    part_tokens = tokens[part.start * PS: (part.start + len(hashes[part])) * PS]
-                    index.apply(url, BlockStored(hashes[part], parent, part_tokens if with_tokens else [], PS,
-                                                 None, MEDIUMS[tier]))
             if pooled:
                 pool |= set(hashes)
             else:
                 held[url] |= {(h, tier) for h in hashes}
         elif op in ("remove", "remove_one"):
             gone = hashes[cut:] if op == "remove" else hashes[cut:cut + 1]
-            index.apply(url, BlockRemoved(gone, MEDIUMS[tier]))
+            if as_pages:  # an eviction as SGLang reports it: leaf first, one page per event
+                index.apply_batch(url, [BlockRemoved([h], MEDIUMS[tier]) for h in reversed(gone)])
+            else:
+                index.apply(url, BlockRemoved(gone, MEDIUMS[tier]))
             if pooled:
                 pool -= set(gone)
             elif url in held:
@@ -342,3 +355,41 @@ def test_speculative_pages_refreshed_by_a_later_request_outlive_the_first():
     assert index.match(req(tokens + [9, 9], rid="c"), WORKERS).hits[URLS[0]].gpu == 10
     index.expire(now=first + 100)
     assert not index.match(req(tokens, rid="d"), WORKERS).hits and not index._roots
+
+
+def test_a_batch_joins_only_events_of_whole_pages():
+    """One page per event is joined into one chain; an event whose token list is not whole
+    pages is applied on its own, as it would be alone."""
+    tokens = [5, 6, 7, 8, 9, 10]
+    hashes = page_hashes(tokens, PS)
+    odd = [BlockStored(hashes[:1], None, tokens[:3], PS), BlockStored(hashes[1:2], hashes[0], tokens[3:4], PS),
+           BlockStored(hashes[2:], hashes[1], tokens[4:], PS)]
+    alone, batched = BlockIndex(speculative_ttl_s=0), BlockIndex(speculative_ttl_s=0)
+    for event in odd:
+        alone.apply(URLS[0], event)
+    batched.apply_batch(URLS[0], odd)
+    for index in (alone, batched):
+        assert index.match(req(tokens), WORKERS).hits[URLS[0]].gpu == 6  # the third page through its hash
+        assert index.stats()["index_hash_keyed_blocks"] == 2
+
+
+def test_recording_pages_the_worker_holds_adds_nothing_to_the_trie():
+    tokens = [1, 1, 2, 2]
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    index.apply(URLS[1], BlockStored(page_hashes(tokens, PS, "t"), None, [], PS, cache_salt="t"))  # by hash only
+    request = req(tokens, "t", rid="a")
+    assert index.match(request, WORKERS).hits[URLS[1]].gpu == 4
+    index.record(request, WORKERS[1])
+    assert not index._roots and index.speculative_pages() == 0
+
+
+def test_a_batch_of_removals_keeps_each_events_medium():
+    tokens = [5, 6, 7, 8]
+    hashes = page_hashes(tokens, PS)
+    index = BlockIndex(speculative_ttl_s=0)
+    index.apply_batch(URLS[0], [BlockStored(hashes, None, tokens, PS, medium="GPU"),
+                                BlockStored(hashes, None, tokens, PS, medium="CPU_PINNED")])
+    assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (4, 0, 0)
+    index.apply_batch(URLS[0], [BlockRemoved(hashes[1:], "GPU"), BlockRemoved(hashes[:1], "GPU"),
+                                BlockRemoved(hashes[1:], "CPU_PINNED")])
+    assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 2, 0)
