@@ -227,14 +227,14 @@ def main() -> None:
                        timed(lambda e, _w: precise.apply(url, e), [e for b in stores[:half] for e in b], workers)))
     results.append(row("apply one BlockRemoved alone (one page, leaf first)",
                        timed(lambda e, _w: precise.apply(url, e), [e for b in removes[:half] for e in b], workers)))
-    per_page = [(w / 40, c / 40) for w, c in zip(*timed(lambda b, _w: precise.apply_batch(url, b), stores[half:],
-                                                          workers))]
+
+    def per_page(batches: list[list]) -> tuple[list[float], list[float]]:
+        wall, cpu = timed(lambda b, _w: precise.apply_batch(url, b), batches, workers)
+        return [w / 40 for w in wall], [c / 40 for c in cpu]
+
     results.append(row("apply a batch of 40 BlockStored (a step's chain, one page each), per page",
-                       ([w for w, _ in per_page], [c for _, c in per_page])))
-    per_page = [(w / 40, c / 40) for w, c in zip(*timed(lambda b, _w: precise.apply_batch(url, b), removes[half:],
-                                                          workers))]
-    results.append(row("apply a batch of 40 BlockRemoved, per page",
-                       ([w for w, _ in per_page], [c for _, c in per_page])))
+                       per_page(stores[half:])))
+    results.append(row("apply a batch of 40 BlockRemoved, per page", per_page(removes[half:])))
 
     def with_traffic(fleet: list[WorkerView], live: int, held: int, tag: str, polls: bool = False
                      ) -> tuple[list[float], list[float]]:

@@ -94,6 +94,21 @@ def _set_mask(run: Run, i: int, mask: int) -> None:
     masks[i] = mask
 
 
+def _combine(values: list[int], a: int, b: int, op, bits: int) -> None:
+    """``values[a:b] = op(value, bits)`` for each, in C; values that were all equal end as
+    one shared object (see ``_set_mask``)."""
+    if a >= b:
+        return
+    if values[a:b].count(values[a]) == b - a:
+        values[a:b] = repeat(op(values[a], bits), b - a)
+    else:
+        values[a:b] = map(op, values[a:b], repeat(bits))
+
+
+def _head(values: list[int], n: int) -> list[int]:
+    return values if n == len(values) else values[:n]
+
+
 def _drops(acc: list[int], base: int, pages: dict[int, int]) -> None:
     """``acc`` is a running AND (``acc[0]`` before the first page): for every bit it loses,
     record how many pages kept it (plus ``base``), bisecting for the few changes."""
@@ -126,7 +141,7 @@ def _held_pages(masks: Iterable[int], wanted: int) -> dict[int, int]:
 
 def _path_masks(run: Run, n: int) -> list[int]:
     """The first ``n`` pages' masks with their speculative bits."""
-    masks = run.masks if n == len(run.masks) else run.masks[:n]
+    masks = _head(run.masks, n)
     return masks if run.spec is None else list(map(or_, masks, run.spec))
 
 
@@ -135,18 +150,15 @@ def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
     pages: dict[int, int] = {}
     acc, pos = wanted, 0
     for run, n in path:
-        masks = run.masks if n == len(run.masks) else run.masks[:n]
+        masks = _head(run.masks, n)
         first = masks[0]
         uniform = masks.count(first) == n
-        if uniform and run.spec is not None:  # and its speculative bits, if they are uniform too
-            spec = run.spec if n == len(run.spec) else run.spec[:n]
-            uniform = spec.count(spec[0]) == n
-            if uniform:
+        if run.spec is not None:  # its speculative bits: one more OR if uniform too
+            spec = _head(run.spec, n)
+            if uniform and spec.count(spec[0]) == n:
                 first |= spec[0]
             else:
-                masks = list(map(or_, masks, spec))
-        elif run.spec is not None:
-            masks = list(map(or_, masks, run.spec))
+                uniform, masks = False, list(map(or_, masks, spec))
         if uniform:
             new = acc & first
             if new != acc and pos:  # (bits lost on the first page are misses: not recorded)
@@ -275,18 +287,8 @@ class BlockIndex:
         self._epoch += 1
         keep = self._keep[s]
         owned, self._owned[s] = self._owned[s], {}
-        where, hashed = self._where, self._hashed
         for h in owned:
-            place = where.get(h)
-            if place is not None:
-                run, i = place
-                _set_mask(run, i, run.masks[i] & keep)
-            else:
-                m = hashed.get(h, 0) & keep
-                if m:
-                    hashed[h] = m
-                else:
-                    hashed.pop(h, None)
+            self._set_bits(h, keep, 0)
             self._unhold(h)
         self._trim_dirty()
         for run in self._spec_runs.pop(s, ()):
@@ -295,10 +297,24 @@ class BlockIndex:
             if not run.until:
                 run.until = None
             if run.spec is not None:
-                run.spec[:] = map(and_, run.spec, repeat(keep))
+                _combine(run.spec, 0, len(run.spec), and_, keep)
                 if not any(run.spec):
                     run.spec = None
             trim(run, self._roots)
+
+    def _set_bits(self, h: int, keep: int, bits: int) -> None:
+        """Block ``h``'s mask becomes ``(mask & keep) | bits``, on its page or, without one,
+        in the hash-keyed blocks."""
+        place = self._where.get(h)
+        if place is not None:
+            run, i = place
+            _set_mask(run, i, (run.masks[i] & keep) | bits)
+            return
+        m = (self._hashed.get(h, 0) & keep) | bits
+        if m:
+            self._hashed[h] = m
+        else:
+            self._hashed.pop(h, None)
 
     def worker_size(self, url: str) -> int:
         s = self._slots.get(url)
@@ -350,7 +366,7 @@ class BlockIndex:
                     if n - i > 1 and at == len(run.masks) and at not in run.children:
                         rest = hashes[i:]
                         if self._new_chain(rest):  # a new chain at the end of a run: append it whole
-                            run.append(packed[i * width:], n - i)
+                            grow(run, at, packed[i * width:])
                             run.refs[at:] = repeat(1, n - i)
                             out += zip(repeat(run), range(at, at + n - i))
                             where.update(zip(rest, out[i:]))
@@ -372,7 +388,8 @@ class BlockIndex:
         return out, n
 
     def _new_chain(self, hashes: Sequence[int]) -> bool:
-        """No block of ``hashes`` is known (placed, kept by hash, pooled) and none repeats."""
+        """No block of ``hashes`` is known (placed, or kept by hash: the pool's blocks are one
+        or the other) and none repeats."""
         where, by_hash = self._where, self._by_hash
         return (not any(map(where.__contains__, hashes)) and not (by_hash and any(map(by_hash.__contains__, hashes)))
                 and len(set(hashes)) == len(hashes))
@@ -475,7 +492,7 @@ class BlockIndex:
                     place[0].mark_pooled(place[1], True)
             return
         keep, cumulative = self._keep[s], self._cumulative[s]
-        parents, owned, holders, hashed = self.parent, self._owned[s], self._holders, self._hashed
+        parents, owned, holders = self.parent, self._owned[s], self._holders
         if parent is not None and parent not in owned:
             self.orphans += 1
         bit = 1 << tier
@@ -486,11 +503,7 @@ class BlockIndex:
                 raw = 0
             raw |= bit
             owned[h] = raw
-            if place is not None:
-                run, i = place
-                _set_mask(run, i, (run.masks[i] & keep) | cumulative[raw])
-            else:
-                hashed[h] = (hashed.get(h, 0) & keep) | cumulative[raw]
+            self._set_bits(h, keep, cumulative[raw])
             parents[h] = parent
             parent = h
         if new < len(hashes):  # blocks nobody knew, appended whole to one run: all at once, in C
@@ -521,23 +534,13 @@ class BlockIndex:
             return
         shift = 3 * s
         keep = ~(7 << shift)
-        owned, hashed = self._owned[s], self._hashed
+        owned = self._owned[s]
         for h in hashes:
             raw = owned.get(h)
             if raw is None:
                 continue
             raw &= ~(1 << tier)
-            bits = _CUMULATIVE[raw] << shift
-            place = where.get(h)
-            if place is not None:
-                run, i = place
-                _set_mask(run, i, (run.masks[i] & keep) | bits)
-            else:
-                m = (hashed.get(h, 0) & keep) | bits
-                if m:
-                    hashed[h] = m
-                else:
-                    hashed.pop(h, None)
+            self._set_bits(h, keep, _CUMULATIVE[raw] << shift)
             if raw:
                 owned[h] = raw
             else:
@@ -701,11 +704,7 @@ class BlockIndex:
         for run, a, b in ranges:
             if a >= b:
                 continue
-            spec = run.spec_list()
-            if spec[a:b].count(spec[a]) == b - a:  # one value before, one (shared) object after
-                spec[a:b] = repeat(spec[a] | bits, b - a)
-            else:
-                spec[a:b] = map(or_, spec[a:b], repeat(bits))  # in C
+            _combine(run.spec_list(), a, b, or_, bits)
             if run.until is None:
                 run.until = {}
             times = run.until.get(s)
@@ -734,10 +733,7 @@ class BlockIndex:
                 if a >= b:
                     continue
                 if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
-                    if spec[a:b].count(spec[a]) == b - a:
-                        spec[a:b] = repeat(spec[a] & clear, b - a)
-                    else:
-                        spec[a:b] = map(and_, spec[a:b], repeat(clear))
+                    _combine(spec, a, b, and_, clear)
                     times[a:b] = repeat(0.0, b - a)
                 else:
                     for i in range(a, b):

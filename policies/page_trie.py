@@ -42,12 +42,8 @@ class Run:
 
     def append(self, pages: bytes, n: int) -> None:
         self.key += pages
-        if n == 1:  # KV events bring one page at a time
-            self.masks.append(0)
-            self.refs.append(0)
-        else:
-            self.masks.extend(repeat(0, n))
-            self.refs.extend(repeat(0, n))
+        self.masks.extend(repeat(0, n))
+        self.refs.extend(repeat(0, n))
         if self.spec is not None:
             self.spec.extend(repeat(0, n))
         if self.pooled is not None:

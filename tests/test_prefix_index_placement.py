@@ -45,6 +45,17 @@ def naive(held: dict[str, set[tuple[int, int]]], pool: set[int], chain: list[int
     return out
 
 
+def store_in_two_parts(index: BlockIndex, url: str, tokens: list[int], hashes: list[int], cut: int,
+                       with_tokens: bool, medium: str, salt: str | None = None) -> None:
+    """One chain as two BlockStored events, the second continuing from the first's last block
+    (``cut`` pages in the first), with or without token ids."""
+    cut = min(cut, len(hashes))
+    for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
+        if hashes[part]:
+            part_tokens = tokens[part.start * PS: (part.start + len(hashes[part])) * PS] if with_tokens else []
+            index.apply(url, BlockStored(hashes[part], parent, part_tokens, PS, None, medium, cache_salt=salt))
+
+
 seqs = st.lists(st.integers(0, 2), min_size=0, max_size=10)
 ops = st.lists(
     st.tuples(st.sampled_from(["store", "store", "remove", "clear"]), st.sampled_from(URLS), seqs,
@@ -66,14 +77,7 @@ def test_page_keyed_index_matches_like_sha_chains(operations, queries, shared_po
         pooled = tier == 2 and shared_pool
         if op == "store" and hashes:
             held.setdefault(url, set())
-            cut = min(cut, len(hashes))
-            for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
-                part_hashes = hashes[part]
-                if not part_hashes:
-                    continue
-                part_tokens = tokens[part.start * PS: part.start * PS + len(part_hashes) * PS] if with_tokens else []
-                index.apply(url, BlockStored(part_hashes, parent, part_tokens, PS, None, MEDIUMS[tier],
-                                             cache_salt=salt))
+            store_in_two_parts(index, url, tokens, hashes, cut, with_tokens, MEDIUMS[tier], salt)
             if pooled:
                 pool |= set(hashes)
             else:
@@ -293,12 +297,7 @@ def test_workers_sharing_conversations_match_like_sha_chains(operations, shared_
                                                     tokens[j * PS:(j + 1) * PS] if with_tokens else [], PS, None,
                                                     MEDIUMS[tier]) for j, h in enumerate(hashes)])
             else:
-                cut = min(cut, len(hashes))
-                for part, parent in ((slice(0, cut), None), (slice(cut, None), hashes[cut - 1] if cut else None)):
-                    if hashes[part]:
-                        part_tokens = tokens[part.start * PS: (part.start + len(hashes[part])) * PS]
-                        index.apply(url, BlockStored(hashes[part], parent, part_tokens if with_tokens else [], PS,
-                                                     None, MEDIUMS[tier]))
+                store_in_two_parts(index, url, tokens, hashes, cut, with_tokens, MEDIUMS[tier])
             held.setdefault(url, set())
             if pooled:
                 pool |= set(hashes)
