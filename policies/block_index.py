@@ -52,7 +52,7 @@ names.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate, chain as chained, filterfalse, repeat, takewhile
 from operator import and_, attrgetter, or_
@@ -202,7 +202,7 @@ class BlockIndex:
     unit: Unit = "tokens"
 
     def __init__(self, default_page_size: int = 1, speculative_ttl_s: float = 3.0,
-                 hash_cache: int = 64, shared_pool: bool = True) -> None:
+                 shared_pool: bool = True) -> None:
         self.default_page_size = int(default_page_size)
         self.shared_pool = bool(shared_pool)
         self.pool: set[int] = set()  # block hashes in the shared store (when shared_pool)
@@ -223,10 +223,9 @@ class BlockIndex:
         self._spec_runs: dict[int, set[Run]] = {}  # slot -> runs holding its speculative bits
         self._dirty: set[Run] = set()  # runs with pages no hash names any more, to trim
         self._spec_queue: deque[tuple[float, int, list[tuple[Run, int, int]]]] = deque()
-        self._prompts: OrderedDict[tuple, list] = OrderedDict()  # -> [tokens, packed, SHA chain]
-        self._hash_cache = hash_cache
+        self._last_prompt: list = [None, None, {}, None]  # [tokens, packed, SHA chains, salt]
         self.chains = PageHashCache()
-        self._last_match: tuple[str, dict[str, Tiers]] | None = None
+        self._last_match: tuple[str, IndexMatch] | None = None
         self._last_walk: tuple | None = None  # (request id, page size, epoch, walk result)
         self._epoch = 0  # bumps on every change, so a cached walk is known to be current
         self._version = 0  # bumps when slots or page sizes change
@@ -562,21 +561,17 @@ class BlockIndex:
         return request.token_ids is not None
 
     def _prompt(self, request: RequestView) -> list:
-        """[tokens, packed ids (None if some id is no uint32), SHA chains by page size],
-        cached briefly: select and record both need them."""
+        """[tokens, packed ids (None if some id is no uint32), SHA chains by page size] of the
+        last request seen: select and record both need them, one right after the other."""
         tokens = request.token_ids or []
-        key = (request.request_id, request.cache_salt)
-        got = self._prompts.get(key)
+        got = self._last_prompt
         # The cache holds the token list itself, so identity cannot be a recycled id().
-        if got is None or got[0] is not tokens:
+        if got[0] is not tokens or got[3] != request.cache_salt:
             try:
                 packed = uint32_le(tokens)
             except (OverflowError, TypeError):
                 packed = None
-            got = [tokens, packed, {}]
-            self._prompts[key] = got
-            if len(self._prompts) > self._hash_cache:
-                self._prompts.popitem(last=False)
+            got = self._last_prompt = [tokens, packed, {}, request.cache_salt]
         return got
 
     def hashes_for(self, request: RequestView, page_size: int) -> list[int]:
@@ -655,19 +650,22 @@ class BlockIndex:
                     g, h = pages.get(b - 2, 0), pages.get(b - 1, 0)
                     hits[self._urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
             if pooled:
-                self._extend_through_pool(pooled * ps, urls, members, hits)
-        self._last_match = (request.request_id, result.hits)
+                self._extend_through_pool(pooled * ps, urls, members, result, len(workers))
+        self._last_match = (request.request_id, result)
         return result
 
     @staticmethod
-    def _extend_through_pool(pooled: int, urls: list[str], members: frozenset[str], hits: dict[str, Tiers]) -> None:
+    def _extend_through_pool(pooled: int, urls: list[str], members: frozenset[str], result: IndexMatch,
+                             candidates: int) -> None:
         """Any worker can load the shared pool's leading pages past what it holds itself."""
+        hits = result.hits
         for url, t in list(hits.items()):  # the few workers holding some of it themselves
             if pooled > t.total and url in members:
                 hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
-        # Every other candidate, in C and sharing one tuple: with a pooled prompt that is
-        # the whole fleet.
-        hits.update(zip(filterfalse(hits.__contains__, urls), repeat(Tiers(0, 0, pooled))))
+        if len(urls) == candidates:  # every candidate is in this group: one entry says it
+            result.everyone = Tiers(0, 0, pooled)
+        else:  # page sizes differ, or some worker is new to the index: only this group's
+            hits.update(zip(filterfalse(hits.__contains__, urls), repeat(Tiers(0, 0, pooled))))
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         if request.token_ids is None or self.speculative_ttl_s <= 0:
@@ -681,9 +679,9 @@ class BlockIndex:
             return
         last = self._last_match
         skip = 0
-        if last is not None and last[0] == request.request_id and worker.url in last[1]:
+        if last is not None and last[0] == request.request_id:
             # Pages the worker already holds on GPU (reported, or speculative) need no entry.
-            skip = last[1][worker.url].gpu // ps
+            skip = last[1].get(worker.url).gpu // ps
         if skip >= pages:
             return
         ranges: list[tuple[Run, int, int]] = []

@@ -120,17 +120,21 @@ class CacheAware(Policy):
         if self.verifier.degraded:
             return self._least_loaded(workers, loads, lo), "degraded"
         hc, pc = self.host_credit, self.pool_credit
-        scores = {url: t.gpu + hc * t.host + pc * t.pool for url, t in match.hits.items()}
-        best = max(scores.values(), default=0.0)
-        if match.query_len and best / match.query_len > self.cache_threshold:
-            floor = best * self.tie_ratio
-            at = self._positions(workers).get
-            found = []
-            for url, score in scores.items():
-                if score >= floor and (i := at(url)) is not None:
-                    found.append((loads[i], -score, i))
-            if found:
-                return workers[min(found)[2]], "prefix"
+        hits, everyone = match.hits, match.everyone
+        shared = everyone.gpu + hc * everyone.host + pc * everyone.pool
+        if match.query_len and (hits or shared):
+            scores = {url: t.gpu + hc * t.host + pc * t.pool for url, t in hits.items()}
+            best = max(max(scores.values(), default=0.0), shared)
+            if best / match.query_len > self.cache_threshold:
+                floor = best * self.tie_ratio
+                at = self._positions(workers).get
+                found = [(loads[i], -score, i) for url, score in scores.items()
+                         if score >= floor and (i := at(url)) is not None]
+                if shared >= floor:  # every worker qualifies: the first least loaded stands for the rest
+                    i = loads.index(lo)
+                    found.append((lo, -shared, i))
+                if found:
+                    return workers[min(found)[2]], "prefix"
         return self._least_loaded(workers, loads, lo), "miss"
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:

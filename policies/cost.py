@@ -83,6 +83,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -92,7 +93,7 @@ from policies.fleet_backlog import Booked, FleetBacklog, Pricing
 from policies.kv_feed import KvEventFeed
 from policies.kv_release import KvReleases
 from policies.tree_budget import TreeBudget
-from policies.prefix_index import IndexMatch, PrefixIndex, Tiers
+from policies.prefix_index import NO_HIT, IndexMatch, PrefixIndex, Tiers
 
 # Share of ``max_new_tokens`` a request's KV is booked at: the engine reserves part of it at
 # admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
@@ -125,7 +126,16 @@ class _Backlogs:
     bases: list[float]  # per worker, in order: wait + decode cost with no hit
     weight: float  # the work weight this decision charges (``Cost.weight``)
     hits: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]]  # url -> (position, tiers,
-    # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off))
+    # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off)): the workers
+    # to price with a hit, which with a prompt in the shared pool are those holding more
+    # than ``everyone`` and the few others that could be the cheapest (see ``_backlogs``)
+    everyone: Tiers = NO_HIT  # what any worker can load (the shared pool's leading pages)
+    rows: tuple[list[str], list[float], list[float], list[float], list[float]] | None = None
+    # (urls, waits, decode, KV, capacity) of every worker, to price ``everyone`` anywhere
+
+    def tiers(self, url: str) -> Tiers:
+        hit = self.hits.get(url)
+        return self.everyone if hit is None else hit[1]
 
 
 class Cost(Policy):
@@ -202,7 +212,11 @@ class Cost(Policy):
         return self._predict(self._backlogs(request, workers, match))
 
     def _predict(self, b: _Backlogs) -> list[tuple[float, float, float]]:
-        out = [(base + b.full, b.prompt, 0.0) for base in b.bases]
+        if b.rows is None:
+            out = [(base + b.full, b.prompt, 0.0) for base in b.bases]
+        else:  # every worker can load the pool's pages
+            pool = b.everyone
+            out = [self._hit_cost(url, pool, b, *state) for url, *state in zip(*b.rows)]
         for url, (i, tiers, state) in b.hits.items():
             out[i] = self._hit_cost(url, tiers, b, *state)
         return out
@@ -228,18 +242,22 @@ class Cost(Policy):
                 bases[i] = wait + decode[i]
             busy += len(draining)
         hit_at: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
-        if match.hits and not self.verifier.degraded:
+        kvs, caps = fleet.kv, fleet.cap
+        everyone = NO_HIT
+        if (match.hits or match.everyone.total) and not self.verifier.degraded:
             scale = 1.0
             if match.unit != "tokens":
                 scale = prompt / match.query_len if match.query_len else 0.0
-            pos, kvs, caps = fleet.pos, fleet.kv, fleet.cap
+            pos = fleet.pos
             for url, t in match.hits.items():
                 i = pos.get(url)
                 if i is not None:
                     hit_at[url] = (i, t if scale == 1.0 else Tiers(*(x * scale for x in t)),
                                    (waits[i], decode[i], kvs[i], caps[i]))
-        for _, i in fleet.tight(need):  # the KV wait, where this request does not fit
-            kv, cap = fleet.kv[i], fleet.cap[i]
+            everyone = match.everyone if scale == 1.0 else Tiers(*(x * scale for x in match.everyone))
+        tight = fleet.tight(need)
+        for _, i in tight:  # the KV wait, where this request does not fit
+            kv, cap = kvs[i], caps[i]
             if kv + need > cap:
                 wait = waits[i]
                 over = self.memory_wait(fleet.urls[i], kv + need - cap, now, wait)
@@ -247,9 +265,19 @@ class Cost(Policy):
                     if not wait > 0.0:
                         busy += 1
                     bases[i] = over + decode[i]
+        rows = None
+        if everyone.total:
+            # Every worker can load the pool's pages. One holding no more costs its base plus
+            # the same for all, except where its KV is short (``tight``), so only the least
+            # backlog and those are priced here, beside the workers holding more.
+            urls = fleet.urls
+            rows = (urls, waits, decode, kvs, caps)
+            for i in chain((bases.index(min(bases)),), map(itemgetter(1), tight)):
+                if urls[i] not in hit_at:
+                    hit_at[urls[i]] = (i, everyone, (waits[i], decode[i], kvs[i], caps[i]))
         full = self.prefill_tokens(prompt, 0.0) * self._inv_prefill
         self.last_weight = weight = self.weight(busy, len(bases), now)
-        return _Backlogs(prompt, full, output, now, bases, weight, hit_at)
+        return _Backlogs(prompt, full, output, now, bases, weight, hit_at, everyone, rows)
 
     def weight(self, busy: int, workers: int, now: float) -> float:
         """The work weight when ``busy`` of ``workers`` have prefill (or a KV wait) queued:
@@ -403,9 +431,8 @@ class Cost(Policy):
         wait (and the decode steps it shares), i.e. the TTFT less its own prefill and loads."""
         ttft, uncached, cached = cost
         own = self.prefill_tokens(uncached, cached) / self.prefill_tps
-        hit = b.hits.get(worker.url)
-        if hit is not None and cached:
-            _, host, pool = hit[1]
+        if cached:
+            _, host, pool = b.tiers(worker.url)
             own += host / self.host_tps + pool / self.pool_tps
         return ttft - own
 

@@ -41,18 +41,21 @@ NO_HIT = Tiers()
 
 @dataclass(slots=True)
 class IndexMatch:
+    """Per-worker prefixes of one request. ``everyone`` is what every candidate can reuse
+    whether ``hits`` lists it or not: the shared pool's leading pages, which any engine
+    attached to the pool loads. ``hits`` then lists only the workers that hold more, so
+    a prompt in the pool costs the few workers holding it rather than the whole fleet."""
+
     query_len: int = 0
     unit: Unit = "chars"
     hits: dict[str, Tiers] = field(default_factory=dict)
+    everyone: Tiers = NO_HIT
 
     def get(self, url: str) -> Tiers:
-        return self.hits.get(url, NO_HIT)
+        return self.hits.get(url, self.everyone)
 
     def fraction(self, url: str) -> float:
         return self.get(url).total / self.query_len if self.query_len else 0.0
-
-    def best(self) -> int:
-        return max((t.total for t in self.hits.values()), default=0)
 
 
 @runtime_checkable
@@ -66,7 +69,8 @@ class PrefixIndex(Protocol):
         ...
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
-        """Per-worker cached prefix of ``request``, only for ``workers``; misses are absent."""
+        """Per-worker cached prefix of ``request``, only for ``workers``: in ``hits`` where a
+        worker holds more than ``everyone`` (the shared pool), absent otherwise."""
         ...
 
     def record(self, request: RequestView, worker: WorkerView) -> None:

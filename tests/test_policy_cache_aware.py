@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from policies.base import Outcome, RequestView, WorkerView
 from policies.cache_aware import CacheAware
 from policies.loader import load_policy
+from policies.prefix_index import IndexMatch, Tiers
 from wire.chat_template import apply_chat_template
 
 SYSTEM = "You are a careful assistant. " * 20
@@ -157,3 +161,20 @@ def test_auto_budget_follows_the_fleets_kv_capacity():
     # Without a known capacity the fallback budget holds; the default is that fixed budget.
     assert CacheAware(max_tree_size="auto").stats()["index_budget_units"] == 1 << 24
     assert CacheAware().stats()["index_budget_units"] == 1 << 24
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_prefix_every_worker_can_load_decides_as_listing_it_per_worker(data):
+    """A prompt in the shared pool comes as one ``everyone`` entry beside the workers holding
+    more; the rule must pick exactly what it picks when every worker is listed with it."""
+    n = data.draw(st.integers(1, 6), label="workers")
+    ws = workers(n, data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n), label="loads"))
+    policy = CacheAware(balance_abs_threshold=data.draw(st.sampled_from([1, 64]), label="abs threshold"))
+    tiers = st.builds(Tiers, st.integers(0, 60), st.integers(0, 60), st.integers(0, 60))
+    everyone = Tiers(pool=data.draw(st.integers(0, 100), label="pooled"))
+    listed = {w.url: t for w in ws if data.draw(st.booleans()) and (t := data.draw(tiers)).total >= everyone.total}
+    request = RequestView("r", "/generate", token_ids=[1] * 100)
+    compact = policy.decide(request, ws, IndexMatch(100, "tokens", dict(listed), everyone))
+    spelled = {w.url: listed.get(w.url, everyone) for w in ws if listed.get(w.url, everyone).total}
+    assert compact == policy.decide(request, ws, IndexMatch(100, "tokens", spelled))

@@ -303,12 +303,17 @@ def test_requests_that_stop_early_teach_a_shorter_kv_hold():
 def test_select_takes_the_lowest_score_of_predict(data):
     """``select`` prices only the workers holding part of the prompt and takes the cheapest
     miss by ``min``; whatever the fleet (loads, booked KV, hits in every tier, a pool slower
-    than recomputing), it must land on a worker whose ``predict`` score is the minimum."""
+    than recomputing, a prompt in the pool), it must land on a worker whose ``predict``
+    score is the minimum."""
     ps, n = 4, data.draw(st.integers(1, 6), label="workers")
     pool_tps = data.draw(st.sampled_from([2_000.0, 40_000.0]), label="pool speed")
     index = BlockIndex(default_page_size=ps)
     policy = Cost(index=index, prefill_tokens_per_s=25_000, pool_load_tokens_per_s=pool_tps, engine_load="max")
     prompt = list(range(1, 1 + ps * 40))
+    # Every worker known to the index (as once it has published or been routed to): a prompt
+    # in the shared pool is then one ``everyone`` entry, and select prices only the workers
+    # holding more, the least backlog and those short of KV room.
+    known = data.draw(st.booleans(), label="every worker known to the index")
     ws = []
     for i in range(n):
         load = data.draw(st.none() | st.builds(
@@ -316,6 +321,8 @@ def test_select_takes_the_lowest_score_of_predict(data):
             used_tokens=st.integers(0, 900), max_tokens=st.sampled_from([0, 400, 1000])), label=f"load {i}")
         w = WorkerView(f"http://127.0.0.1:{8300 + i}", load=load, server_info={"max_total_num_tokens": 1000})
         ws.append(w)
+        if known:
+            index.slot(w.url)
         pages = data.draw(st.integers(0, 40), label=f"pages held by {i}")
         if pages:
             tokens = prompt[: pages * ps]

@@ -32,9 +32,22 @@ def test_pool_pages_extend_every_workers_prefix():
     a, b = workers()
     index.slot(b.url)
     index.apply_batch(a.url, [stored(HASHES[:3], "GPU"), stored(HASHES[:6], "EXTERNAL")])
-    hits = index.match(request(), [a, b]).hits
-    assert hits[a.url] == Tiers(gpu=3 * PS, host=0, pool=3 * PS)  # its own GPU pages, then the pool
-    assert hits[b.url] == Tiers(gpu=0, host=0, pool=6 * PS)  # never announced them, loads them all
+    match = index.match(request(), [a, b])
+    assert match.get(a.url) == Tiers(gpu=3 * PS, host=0, pool=3 * PS)  # its own GPU pages, then the pool
+    assert match.get(b.url) == Tiers(gpu=0, host=0, pool=6 * PS)  # never announced them, loads them all
+    # said once for the fleet: only the worker holding more is listed
+    assert match.everyone == Tiers(pool=6 * PS) and list(match.hits) == [a.url]
+
+
+def test_a_worker_new_to_the_index_gets_no_pool_credit():
+    """Every worker the index knows is attached to the pool; one it has never heard of (no
+    event, no decision yet) is not assumed to be, so the pool is listed per known worker."""
+    index = BlockIndex(default_page_size=PS)
+    a, b = workers()
+    index.apply_batch(a.url, [stored(HASHES[:3], "GPU"), stored(HASHES[:6], "EXTERNAL")])
+    match = index.match(request(), [a, b])
+    assert match.get(a.url) == Tiers(gpu=3 * PS, host=0, pool=3 * PS)
+    assert match.get(b.url) == Tiers() and match.everyone == Tiers()
 
 
 def test_pool_eviction_announced_by_any_engine_removes_the_page_for_all():
@@ -43,8 +56,8 @@ def test_pool_eviction_announced_by_any_engine_removes_the_page_for_all():
     index.slot(b.url)
     index.apply_batch(a.url, [stored(HASHES[:6], "EXTERNAL")])
     index.apply_batch(b.url, [BlockRemoved(block_hashes=[HASHES[2]], medium="EXTERNAL")])
-    hits = index.match(request(), [a, b]).hits
-    assert hits[a.url].pool == hits[b.url].pool == 2 * PS  # the chain breaks at the evicted page
+    match = index.match(request(), [a, b])
+    assert match.get(a.url).pool == match.get(b.url).pool == 2 * PS  # the chain breaks at the evicted page
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -53,6 +66,6 @@ def test_unshared_pools_stay_per_worker(shared):
     a, b = workers()
     index.slot(b.url)
     index.apply_batch(a.url, [stored(HASHES[:5], "EXTERNAL")])
-    hits = index.match(request(), [a, b]).hits
-    assert hits[a.url].pool == 5 * PS
-    assert hits.get(b.url, Tiers()).pool == (5 * PS if shared else 0)
+    match = index.match(request(), [a, b])
+    assert match.get(a.url).pool == 5 * PS
+    assert match.get(b.url).pool == (5 * PS if shared else 0)

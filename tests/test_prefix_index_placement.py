@@ -15,6 +15,7 @@ from policies.base import RequestView, WorkerView
 from policies.block_index import BlockIndex
 from policies.page_hash_cache import PageHashCache
 from tests.test_prefix_index_blocks import PS as BLOCKS_PS
+from tests.test_prefix_index_blocks import held_by
 from tests.test_prefix_index_blocks import naive as naive_held
 from wire.hashing import page_hashes, uint32_le
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -95,7 +96,7 @@ def test_page_keyed_index_matches_like_sha_chains(operations, queries, shared_po
                 held[url] = set()
     stored = [(tokens + [0], salt) for _, _, tokens, _, salt, _, _ in operations]  # what was reported
     for tokens, salt in queries + stored:
-        got = {u: tuple(t) for u, t in index.match(req(tokens, salt), WORKERS).hits.items()}
+        got = held_by(index.match(req(tokens, salt), WORKERS), WORKERS)
         assert got == naive(held, pool, page_hashes(tokens, PS, salt))
     owned = {h for blocks in held.values() for h, _ in blocks}
     assert set(index._holders) == owned
@@ -254,7 +255,7 @@ def test_runs_match_as_a_page_by_page_read(operations, queries):
         else:
             index.clear_worker(URLS[w])
     for tokens in queries:
-        got = {u: tuple(t) for u, t in index.match(req(tokens, rid="q"), WORKERS).hits.items()}
+        got = held_by(index.match(req(tokens, rid="q"), WORKERS), WORKERS)
         assert got == _walked_page_by_page(index, tokens)
     index.expire(now=10**12)
     assert index.speculative_pages() == 0 and not any(index._spec_runs.values())
@@ -319,7 +320,7 @@ def test_workers_sharing_conversations_match_like_sha_chains(operations, shared_
                 held[url] = set()
         for conv_tokens in CONVERSATIONS:
             for n in (4, 12):
-                got = {u: tuple(t) for u, t in index.match(req(conv_tokens[:n]), WORKERS).hits.items()}
+                got = held_by(index.match(req(conv_tokens[:n]), WORKERS), WORKERS)
                 assert got == naive(held, pool, page_hashes(conv_tokens[:n], PS))
     for url in URLS:
         index.apply(url, AllBlocksCleared())
