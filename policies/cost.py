@@ -83,8 +83,8 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from operator import itemgetter
 
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
