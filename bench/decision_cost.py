@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.host import cpu_name  # noqa: E402
+from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import EngineLoad, Outcome, RequestView, WorkerView  # noqa: E402
 from policies.block_index import BlockIndex  # noqa: E402
@@ -305,7 +305,8 @@ def main() -> None:
     reused = precise.chains.pages_reused / max(precise.chains.pages_reused + precise.chains.pages_hashed, 1)
 
     print(f"# Routing decision cost ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC})")
-    print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
+    print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}, "
+          f"{interpreter_ns_per_step():.0f} ns per step of a plain Python loop (bench.host.interpreter_ns_per_step)")
     print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
     print(f"gc: {'CPython default' if args.no_gc_freeze else 'the gateway settings after setup (tune_gc)'}; "
           f"load average at end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}")
