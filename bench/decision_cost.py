@@ -176,6 +176,17 @@ def main() -> None:
             cpu += c
         return wall, cpu
 
+    def pool_split(name: str, times: tuple[list[float], list[float]], tag: str) -> list[str]:
+        """The row, then split by whether the shared pool holds the prompt's leading pages
+        (about a third of the fleet's conversations): every worker can load those, so the
+        match gives every worker a prefix (``IndexMatch.everyone``)."""
+        pooled = [bool(precise.match(nxt, workers).everyone.total) for _, nxt in turns(tag)]
+        out = [row(name, times)]
+        for label, want in (("prompt in the shared pool", True), ("not in the pool", False)):
+            pick = [i for i, p in enumerate(pooled) if p == want]
+            out.append(row(f"{name}, {label}", ([times[0][i] for i in pick], [times[1][i] for i in pick])))
+        return out
+
     kv = KvEvents(speculative_ttl_s=3.0)
     kv.index.precise = precise  # the 1M-block index built above
     kv.feed.index = precise
@@ -190,8 +201,8 @@ def main() -> None:
     results.append(row("precise index match (BlockIndex.match: pack the ids, walk the trie)",
                        timed(precise.match, reqs, workers)))
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
-    results.append(row("kv_events select, next turn", timed_turns(kv.select, "k")))
-    results.append(row("cost select, precise index, next turn", timed_turns(cost_precise.select, "c")))
+    results += pool_split("kv_events select, next turn", timed_turns(kv.select, "k"), "k")
+    results += pool_split("cost select, precise index, next turn", timed_turns(cost_precise.select, "c"), "c")
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))
     results.append(row("cost select, approx index (match + insert)", timed_turns(cost_approx.select, "d")))
