@@ -8,6 +8,8 @@ events), the approximate radix tree on the same keys, and the cost policy on eac
 precise index places each block in its page trie by the events' token ids (as the KV-event
 feed does) and matches a prompt by packing its ids once and comparing them with the trie's
 runs; packing is timed alone too, since it grows with prompt length and not with fleet size.
+The precise next-turn rows are also split by whether the shared pool holds the prompt (then
+every worker can load it, and the policies must weigh that for the whole fleet).
 SHA-256 page hashing, which the index needs only for blocks reported without token ids, is
 timed alone and as that fallback.
 The last rows time ``cost`` with a routing gateway's traffic between decisions (bookings
