@@ -702,6 +702,10 @@ class BlockIndex:
         for run, a, b in ranges:
             if a >= b:
                 continue
+            if run.spec is None and run.until is None and not a and b == len(run.masks):  # new pages, grown above
+                run.spec, run.until = [bits] * b, {s: [until] * b}
+                runs.add(run)
+                continue
             _combine(run.spec_list(), a, b, or_, bits)
             if run.until is None:
                 run.until = {}
