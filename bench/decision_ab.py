@@ -1,0 +1,137 @@
+"""Decision cost of this tree's policies against another commit's, interleaved in one process.
+
+On a shared VM whole runs of ``bench/decision_cost.py`` drift by tens of percent within
+minutes (``bench.host.interpreter_ns_per_step`` moves with them), more than most changes
+to a policy are worth. Here the other commit's ``policies/`` package is loaded beside this
+one (extracted with ``git archive`` under the name ``policies_ref``), each builds its own
+precise index over the same fleet, and every next turn is timed on both, one right after
+the other in alternating order, so drift hits both alike. ``wire/`` and ``gateway/`` are
+this tree's for both.
+
+    PYTHONPATH=$PWD python bench/decision_ab.py --ref HEAD~1 --policy kv_events
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.decision_cost import conversation  # noqa: E402
+from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
+from gateway.app import tune_gc  # noqa: E402
+from policies.base import EngineLoad, RequestView, WorkerView  # noqa: E402
+from wire.hashing import page_hashes  # noqa: E402
+
+
+def load_ref(commit: str, into: Path) -> str:
+    """``policies/`` at ``commit`` as the package ``policies_ref`` under ``into``."""
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "policies"], check=True,
+                         capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+    (into / "policies").rename(into / "policies_ref")
+    for path in (into / "policies_ref").glob("*.py"):
+        path.write_text(re.sub(r"\b(from|import) policies\.", r"\1 policies_ref.", path.read_text()))
+    sys.path.insert(0, str(into))
+    return "policies_ref"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ref", default="HEAD", help="the commit to compare with (default HEAD: this tree's changes)")
+    ap.add_argument("--policy", choices=["kv_events", "cost"], default="kv_events")
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prebuilt", action="store_true",
+                    help="build every prompt before timing, as decision_cost does (default: each one between "
+                         "two decisions, ~4,000 fresh ints, so a decision starts with colder caches, as in a "
+                         "gateway that parses and proxies between decisions)")
+    args = ap.parse_args()
+    ps, conv_pages, turns = 16, 250, 5
+    rng = random.Random(args.seed)
+    n_conv = max(1, args.blocks // conv_pages)
+    info = {"page_size": ps, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
+    workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
+                          server_info=info,
+                          load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
+                                          used_tokens=rng.randrange(400_000), max_tokens=400_000,
+                                          timestamp=time.monotonic()))
+               for i in range(args.workers)]
+    owners = {c: rng.sample(range(args.workers), rng.choice((1, 1, 2, 3))) for c in range(n_conv)}
+
+    def policy(package: str):
+        """The policy on its own precise index, filled as decision_cost fills its."""
+        index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=3.0)
+        for w in workers:
+            index.set_page_size(w.url, ps)
+        for c in range(n_conv):
+            tokens = conversation(c, conv_pages, ps)
+            hashes = page_hashes(tokens, ps)
+            for o in owners[c]:
+                index.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)), ps, tokens)
+        if args.policy == "cost":
+            return importlib.import_module(package + ".cost").Cost(index=index)
+        kv = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=3.0)
+        kv.index.precise = kv.feed.index = index
+        return kv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, ref = policy("policies"), policy(load_ref(args.ref, Path(tmp)))
+        cut = conv_pages * ps // turns
+        r = random.Random(args.seed + 99)
+        tune_gc()
+        clock = time.thread_time_ns
+        times: dict[str, list[float]] = {"this tree": [], args.ref: []}
+
+        def next_turns():
+            for _ in range(args.decisions):
+                c = r.randrange(n_conv)
+                prev = conversation(c, conv_pages, ps)[: r.randrange(1, turns + 1) * cut]
+                yield prev, prev + [r.randrange(32_000) for _ in range(200)]
+
+        for i, (prev, nxt) in enumerate(list(next_turns()) if args.prebuilt else next_turns()):
+            pair = [(ours, times["this tree"]), (ref, times[args.ref])]
+            for pol, out in pair if i % 2 else pair[::-1]:
+                pol.select(RequestView(f"p{i}", "/generate", token_ids=prev), workers)  # the previous turn, untimed
+                request = RequestView(f"n{i}", "/generate", token_ids=nxt)
+                t0 = clock()
+                pol.select(request, workers)
+                out.append((clock() - t0) / 1000)
+
+    def p99(us: list[float]) -> float:
+        return sorted(us)[min(len(us) - 1, int(len(us) * 0.99))]
+
+    mine, theirs = times["this tree"], times[args.ref]
+    print(f"# {args.policy} next turn, this tree vs {args.ref}, interleaved")
+    print(f"machine: {cpu_name()}, {interpreter_ns_per_step():.0f} ns per step of a plain Python loop")
+    print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
+    print(f"fleet: {args.workers} workers, ~{args.blocks:,} blocks, two indexes in one process "
+          "(cache pressure makes both slower than decision_cost's one: compare the ratio); prompts "
+          f"{'built before timing' if args.prebuilt else 'built between decisions'}")
+    print()
+    print("| code | decisions | CPU median us | CPU p99 us |")
+    print("|---|---|---|---|")
+    for name, us in times.items():
+        print(f"| {name} | {len(us)} | {statistics.median(us):.1f} | {p99(us):.1f} |")
+    diffs = [a - b for a, b in zip(mine, theirs)]
+    print(f"\nthis tree / {args.ref}: {statistics.median(mine) / statistics.median(theirs):.3f} of the median; "
+          f"per decision, median difference {statistics.median(diffs):+.2f} us")
+
+
+if __name__ == "__main__":
+    main()
