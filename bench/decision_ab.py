@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decision_cost import conversation  # noqa: E402
+from bench.decision_cost import conversation, fleet  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
-from policies.base import EngineLoad, RequestView, WorkerView  # noqa: E402
+from policies.base import RequestView  # noqa: E402
 from wire.hashing import page_hashes  # noqa: E402
 
 
@@ -65,14 +65,7 @@ def main() -> None:
     ps, conv_pages, turns = 16, 250, 5
     rng = random.Random(args.seed)
     n_conv = max(1, args.blocks // conv_pages)
-    info = {"page_size": ps, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
-    workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
-                          server_info=info,
-                          load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
-                                          used_tokens=rng.randrange(400_000), max_tokens=400_000,
-                                          timestamp=time.monotonic()))
-               for i in range(args.workers)]
-    owners = {c: rng.sample(range(args.workers), rng.choice((1, 1, 2, 3))) for c in range(n_conv)}
+    workers, owners = fleet(args.workers, ps, n_conv, rng)
 
     def policy(package: str):
         """The policy on its own precise index, filled as decision_cost fills its."""

@@ -60,6 +60,23 @@ def conversation(seed: int, pages: int, page_size: int) -> list[int]:
     return [rng.randrange(32_000) for _ in range(pages * page_size)]
 
 
+def fleet(n: int, page_size: int, conversations: int, rng: random.Random
+          ) -> tuple[list[WorkerView], dict[int, list[int]]]:
+    """``n`` workers, and for each conversation the 1-3 of them holding it. Every worker names
+    a KV-event publisher (never subscribed to: the feed is not started), so kv_events matches
+    on the precise index instead of falling back to the text tree; and each carries the load
+    its engine last reported (/v1/loads), as the gateway polls it for the policies that ask
+    (cost does), so every worker's backlog and KV use is priced."""
+    info = {"page_size": page_size, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
+    workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
+                          server_info=info,
+                          load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
+                                          used_tokens=rng.randrange(400_000), max_tokens=400_000,
+                                          timestamp=time.monotonic()))
+               for i in range(n)]
+    return workers, {c: rng.sample(range(n), rng.choice((1, 1, 2, 3))) for c in range(conversations)}
+
+
 def timed(fn, requests, workers) -> tuple[list[float], list[float]]:
     """Wall and thread-CPU microseconds per call. On a shared machine the CPU time is the
     decision's own cost; wall time adds whatever preemption by other processes cost."""
@@ -108,18 +125,8 @@ def main() -> None:
     ps = args.page_size
     rng = random.Random(args.seed)
     n_conv = max(1, args.blocks // args.conv_pages)
-    # Every worker names a KV-event publisher (never subscribed to: the feed is not started),
-    # so kv_events matches on the precise index instead of falling back to the text tree.
-    info = {"page_size": ps, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
-    # Each worker carries the load its engine last reported (/v1/loads), as the gateway polls
-    # it for the policies that ask (cost does): every worker's backlog and KV use is priced.
-    workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
-                          server_info=info,
-                          load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
-                                          used_tokens=rng.randrange(400_000), max_tokens=400_000,
-                                          timestamp=time.monotonic()))
-               for i in range(args.workers)]
-    owners = {c: rng.sample(range(args.workers), rng.choice((1, 1, 2, 3))) for c in range(n_conv)}
+    workers, owners = fleet(args.workers, ps, n_conv, rng)
+    info = workers[0].server_info
 
     # -- precise index: 1M distinct blocks ---------------------------------------------
     gc.collect()
@@ -181,12 +188,15 @@ def main() -> None:
     def pool_split(name: str, times: tuple[list[float], list[float]], tag: str) -> list[str]:
         """The row, then split by whether the shared pool holds the prompt's leading pages
         (about a third of the fleet's conversations): every worker can load those, so the
-        match gives every worker a prefix (``IndexMatch.everyone``)."""
-        pooled = [bool(precise.match(nxt, workers).everyone.total) for _, nxt in turns(tag)]
+        match gives every worker a prefix (``IndexMatch.everyone``, or each worker listed
+        with it while some worker is unknown to the index)."""
+        matches = [precise.match(nxt, workers) for _, nxt in turns(tag)]
+        pooled = [bool(m.everyone.total or any(t.pool for t in m.hits.values())) for m in matches]
         out = [row(name, times)]
         for label, want in (("prompt in the shared pool", True), ("not in the pool", False)):
             pick = [i for i, p in enumerate(pooled) if p == want]
-            out.append(row(f"{name}, {label}", ([times[0][i] for i in pick], [times[1][i] for i in pick])))
+            if pick:  # (a small fleet may have no conversation in the pool)
+                out.append(row(f"{name}, {label}", ([times[0][i] for i in pick], [times[1][i] for i in pick])))
         return out
 
     kv = KvEvents(speculative_ttl_s=3.0)
