@@ -189,7 +189,7 @@ def main() -> None:
         """The row, then split by whether the shared pool holds the prompt's leading pages
         (about a third of the fleet's conversations): every worker can load those, so the
         match gives every worker a prefix (``IndexMatch.everyone``, or each worker listed
-        with it while some worker is unknown to the index)."""
+        with it where page sizes differ)."""
         matches = [precise.match(nxt, workers) for _, nxt in turns(tag)]
         pooled = [bool(m.everyone.total or any(t.pool for t in m.hits.values())) for m in matches]
         out = [row(name, times)]

@@ -613,12 +613,11 @@ class BlockIndex:
             self._last_candidates = (self._version, list(workers), got[1])
             return got[1]
         groups: dict[int, tuple[int, list[str]]] = {}
-        for w in workers:
+        for w in workers:  # a worker the index has not heard of yet holds nothing, but can load the pool
             s = self._slots.get(w.url)
-            if s is not None:
-                ps = self.page_size_of(w)
-                mask, urls = groups.get(ps, (0, []))
-                groups[ps] = (mask | (7 << (3 * s)), urls + [w.url])
+            ps = self.page_size_of(w)
+            mask, urls = groups.get(ps, (0, []))
+            groups[ps] = (mask if s is None else mask | (7 << (3 * s)), urls + [w.url])
         if len(self._groups) > 256:
             self._groups.clear()
         self._groups[key] = (self._version, [(ps, m, u, frozenset(u)) for ps, (m, u) in groups.items()])
@@ -664,7 +663,7 @@ class BlockIndex:
                 hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
         if len(urls) == candidates:  # every candidate is in this group: one entry says it
             result.everyone = Tiers(0, 0, pooled)
-        else:  # page sizes differ, or some worker is new to the index: only this group's
+        else:  # page sizes differ: only this group's
             hits.update(zip(filterfalse(hits.__contains__, urls), repeat(Tiers(0, 0, pooled))))
 
     def record(self, request: RequestView, worker: WorkerView) -> None:

@@ -167,8 +167,9 @@ def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
     assert policy.select(text_req("x"), [busy, idle]).worker.url == idle.url
 
 
-def test_tier_credits_prefer_gpu_over_host_over_pool():
-    index = BlockIndex()
+@pytest.mark.parametrize("shared_pool", [False, True])
+def test_tier_credits_prefer_gpu_over_host_over_pool(shared_pool):
+    index = BlockIndex(shared_pool=shared_pool)
     tokens = list(range(4096))
     hashes = page_hashes(tokens, 16)
     ws = [WorkerView(f"http://127.0.0.1:{8200 + i}", server_info={"page_size": 16}) for i in range(4)]
@@ -177,7 +178,9 @@ def test_tier_credits_prefer_gpu_over_host_over_pool():
     policy = Cost(index=index)
     req = RequestView("t", "/generate", token_ids=tokens + [1, 2, 3])
     costs = [c[0] for c in policy.predict(req, ws, index.match(req, ws))]
-    assert costs[2] < costs[1] < costs[0] < costs[3]
+    assert costs[2] < costs[1] < costs[0] <= costs[3]
+    # the fourth worker reported nothing: with a shared pool it loads worker 0's pages too
+    assert (costs[3] == costs[0]) is shared_pool
     assert policy.select(req, ws).worker.url == ws[2].url
 
 

@@ -39,15 +39,17 @@ def test_pool_pages_extend_every_workers_prefix():
     assert match.everyone == Tiers(pool=6 * PS) and list(match.hits) == [a.url]
 
 
-def test_a_worker_new_to_the_index_gets_no_pool_credit():
-    """Every worker the index knows is attached to the pool; one it has never heard of (no
-    event, no decision yet) is not assumed to be, so the pool is listed per known worker."""
+def test_a_worker_new_to_the_index_can_load_the_pool_too():
+    """A worker that has neither published an event nor been routed to yet (one that just
+    joined) is attached to the same pool: it is credited with the pool's pages like the
+    rest, so a fresh worker is a candidate for pooled prompts from its first decision."""
     index = BlockIndex(default_page_size=PS)
     a, b = workers()
     index.apply_batch(a.url, [stored(HASHES[:3], "GPU"), stored(HASHES[:6], "EXTERNAL")])
     match = index.match(request(), [a, b])
     assert match.get(a.url) == Tiers(gpu=3 * PS, host=0, pool=3 * PS)
-    assert match.get(b.url) == Tiers() and match.everyone == Tiers()
+    assert match.get(b.url) == Tiers(pool=6 * PS) and match.everyone == Tiers(pool=6 * PS)
+    assert BlockIndex(default_page_size=PS, shared_pool=False).match(request(), [a, b]).get(b.url) == Tiers()
 
 
 def test_pool_eviction_announced_by_any_engine_removes_the_page_for_all():

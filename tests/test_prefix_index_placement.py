@@ -32,14 +32,14 @@ def req(tokens, salt=None, rid="r"):
 
 
 def naive(held: dict[str, set[tuple[int, int]]], pool: set[int], chain: list[int]) -> dict[str, tuple]:
-    """The block index tests' per-worker model (by SHA hash), plus the shared pool: a worker
-    the index knows (``held`` lists those that reported anything) reaches as far as the
-    pool's leading pages when its own pages stop short."""
+    """The block index tests' per-worker model (by SHA hash), plus the shared pool: every
+    worker, whether it reported anything or not, reaches as far as the pool's leading pages
+    when its own pages stop short."""
     pooled = 0
     while pooled < len(chain) and chain[pooled] in pool:
         pooled += 1
     out = naive_held(held, chain)
-    for url in held:
+    for url in URLS:
         gpu, host, anywhere = out.get(url, (0, 0, 0))
         if pooled * PS > gpu + host + anywhere:
             out[url] = (gpu, host, pooled * PS - gpu - host)
@@ -149,9 +149,9 @@ def test_blocks_reported_by_hash_first_move_to_their_keys():
     assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 12, 0)
     index.apply(URLS[2], BlockStored(hashes, None, tokens, PS))  # the same blocks, with tokens
     assert index.stats()["index_hash_keyed_blocks"] == 0
-    hits = index.match(req(tokens), WORKERS).hits
-    assert tuple(hits[URLS[0]]) == (0, 12, 0) and tuple(hits[URLS[2]]) == (12, 0, 0)
-    assert tuple(hits[URLS[1]]) == (0, 0, 6)  # the shared pool it announced
+    match = index.match(req(tokens), WORKERS)
+    assert tuple(match.get(URLS[0])) == (0, 12, 0) and tuple(match.get(URLS[2])) == (12, 0, 0)
+    assert tuple(match.get(URLS[1])) == (0, 0, 6)  # the shared pool it announced
     index.apply(URLS[0], BlockRemoved(hashes, "CPU_PINNED"))  # removals name hashes only
     index.apply(URLS[1], BlockRemoved(hashes[:3], "EXTERNAL"))
     assert set(index.match(req(tokens), WORKERS).hits) == {URLS[2]}
