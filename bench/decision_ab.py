@@ -29,11 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decision_cost import conversation, fleet  # noqa: E402
+from bench.decision_cost import conversation, fill, fleet  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import RequestView  # noqa: E402
-from wire.hashing import page_hashes  # noqa: E402
 
 
 def load_ref(commit: str, into: Path) -> str:
@@ -70,13 +69,7 @@ def main() -> None:
     def policy(package: str):
         """The policy on its own precise index, filled as decision_cost fills its."""
         index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=3.0)
-        for w in workers:
-            index.set_page_size(w.url, ps)
-        for c in range(n_conv):
-            tokens = conversation(c, conv_pages, ps)
-            hashes = page_hashes(tokens, ps)
-            for o in owners[c]:
-                index.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)), ps, tokens)
+        fill(index, workers, owners, conv_pages, ps)
         if args.policy == "cost":
             return importlib.import_module(package + ".cost").Cost(index=index)
         kv = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=3.0)

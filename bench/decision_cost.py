@@ -77,6 +77,19 @@ def fleet(n: int, page_size: int, conversations: int, rng: random.Random
     return workers, {c: rng.sample(range(n), rng.choice((1, 1, 2, 3))) for c in range(conversations)}
 
 
+def fill(index, workers: list[WorkerView], owners: dict[int, list[int]], conv_pages: int, page_size: int) -> None:
+    """Each conversation's blocks stored on its owners, as BlockStored delivers them (hashes,
+    block size and token ids), each owner holding it in one tier (GPU 3 times in 5)."""
+    for w in workers:
+        index.set_page_size(w.url, page_size)
+    for c, holders in owners.items():
+        tokens = conversation(c, conv_pages, page_size)
+        hashes = page_hashes(tokens, page_size)
+        for o in holders:
+            index.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)),
+                        page_size, tokens)
+
+
 def timed(fn, requests, workers) -> tuple[list[float], list[float]]:
     """Wall and thread-CPU microseconds per call. On a shared machine the CPU time is the
     decision's own cost; wall time adds whatever preemption by other processes cost."""
@@ -133,14 +146,7 @@ def main() -> None:
     base = rss_mib()
     t0 = time.perf_counter()
     precise = BlockIndex(speculative_ttl_s=3.0)
-    for w in workers:
-        precise.set_page_size(w.url, ps)
-    for c in range(n_conv):
-        tokens = conversation(c, args.conv_pages, ps)
-        hashes = page_hashes(tokens, ps)
-        for o in owners[c]:  # as BlockStored delivers them: hashes, block size and token ids
-            precise.store(workers[o].url, hashes, None, random.Random(c * 7 + o).choice((0, 0, 0, 1, 2)),
-                          ps, tokens)
+    fill(precise, workers, owners, args.conv_pages, ps)
     build_precise = time.perf_counter() - t0
     gc.collect()
     mem_precise = rss_mib() - base

@@ -72,7 +72,11 @@ Place = tuple[Run, int]
 
 
 def medium_tier(medium: str | None) -> int:
-    return TIER_OF_MEDIUM.get(medium.upper(), 0) if medium else 0
+    """0 GPU, 1 host, 2 pool or disk; SGLang's spelling first, then any case."""
+    if not medium:
+        return 0
+    tier = TIER_OF_MEDIUM.get(medium)
+    return TIER_OF_MEDIUM.get(medium.upper(), 0) if tier is None else tier
 
 
 def _bit_indexes(mask: int):
@@ -430,7 +434,7 @@ class BlockIndex:
         arrive together, each the child of the one before: such a run of events is applied
         as one store, so a new chain is appended to the trie whole instead of page by page.
         Consecutive removals in one medium are applied as one too (an eviction's pages)."""
-        stored, removed, tiers = (BlockStored, BlockStoredRef), BlockRemoved, TIER_OF_MEDIUM
+        stored, removed = (BlockStored, BlockStoredRef), BlockRemoved
         i, n = 0, len(events)
         while i < n:
             event = events[i]
@@ -453,9 +457,7 @@ class BlockIndex:
                     if tokens is not None:
                         tokens += nxt.token_ids
                     i += 1
-                tier = tiers.get(event.medium or "GPU")
-                self.store(url, hashes, event.parent_block_hash,
-                           medium_tier(event.medium) if tier is None else tier, event.block_size,
+                self.store(url, hashes, event.parent_block_hash, medium_tier(event.medium), event.block_size,
                            tokens, event.cache_salt)
             elif isinstance(event, removed):
                 hashes = event.block_hashes
@@ -464,8 +466,7 @@ class BlockIndex:
                         hashes = list(hashes)
                     hashes += events[i].block_hashes  # type: ignore[union-attr]
                     i += 1
-                tier = tiers.get(event.medium or "GPU")
-                self.remove(url, hashes, medium_tier(event.medium) if tier is None else tier)
+                self.remove(url, hashes, medium_tier(event.medium))
             elif isinstance(event, AllBlocksCleared):
                 self.clear_worker(url)
         self.events_applied += len(events)
@@ -481,9 +482,7 @@ class BlockIndex:
         self._epoch += 1
         places, new = self._place(hashes, parent, token_ids,
                                   block_size or self._page_size.get(url, self.default_page_size), cache_salt)
-        s = self._slots.get(url)
-        if s is None:
-            s = self.slot(url)
+        s = self.slot(url)
         if tier == 2 and self.shared_pool:
             self.pool.update(hashes)
             for place in places:
@@ -531,15 +530,13 @@ class BlockIndex:
         s = self._slots.get(url)
         if s is None:
             return
-        shift = 3 * s
-        keep = ~(7 << shift)
-        owned = self._owned[s]
+        keep, cumulative, owned = self._keep[s], self._cumulative[s], self._owned[s]
         for h in hashes:
             raw = owned.get(h)
             if raw is None:
                 continue
             raw &= ~(1 << tier)
-            self._set_bits(h, keep, _CUMULATIVE[raw] << shift)
+            self._set_bits(h, keep, cumulative[raw])
             if raw:
                 owned[h] = raw
             else:
