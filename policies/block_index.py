@@ -42,6 +42,15 @@ every worker: it is flagged once on its page, and a worker's prefix extends thro
 pool's leading pages whatever that worker holds itself. Per-worker pool bits remain for
 fleets whose engines do not share one pool (``shared_pool=False``).
 
+A memory budget (``max_blocks``; policy option ``max_index_blocks``) bounds the blocks known.
+The index then keeps its runs in least recently used order (the run a prompt's path ends in,
+and a store's deepest page, become the newest) and, past the budget, forgets the oldest run's
+pages past its last branch: a conversation's own pages, as SGLang's radix cache evicts its
+least recently used leaves, while a prefix shared by several stays as long as any branch
+under it is used. Forgetting is for every worker at once (the pages leave the trie), and
+once the index has forgotten anything, chains reported under a parent it does not know are
+dropped rather than kept by hash (``_drop_orphan``).
+
 Speculative entries cover the time between routing a request and the engine's
 ``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
 known to hold as on its GPU for ``speculative_ttl_s`` seconds, adding the pages to the trie
@@ -51,18 +60,21 @@ names.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate, chain as chained, filterfalse, repeat, takewhile
 from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
 from policies.page_hash_cache import PageHashCache
-from policies.page_trie import Path, Run, grow, step, trim, walk
+from policies.page_trie import Path, Run, detach, grow, step, trim, walk
 from policies.prefix_index import IndexMatch, Tiers, Unit
 from wire.hashing import page_hashes, uint32_le
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
+
+log = logging.getLogger("kvgate.policies.kv_events")
 
 TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
@@ -96,6 +108,17 @@ def _set_mask(run: Run, i: int, mask: int) -> None:
     elif i + 1 < len(masks) and masks[i + 1] == mask:
         mask = masks[i + 1]
     masks[i] = mask
+
+
+def _name(run: Run, i: int, h: int) -> None:
+    """One more block hash names page ``i`` (usually the only one)."""
+    names = run.names[i]
+    if names is None:
+        run.names[i] = h
+    elif type(names) is list:
+        names.append(h)
+    else:
+        run.names[i] = [names, h]
 
 
 def _combine(values: list[int], a: int, b: int, op, bits: int) -> None:
@@ -206,8 +229,13 @@ class BlockIndex:
     unit: Unit = "tokens"
 
     def __init__(self, default_page_size: int = 1, speculative_ttl_s: float = 3.0,
-                 shared_pool: bool = True) -> None:
+                 shared_pool: bool = True, max_blocks: int = 0) -> None:
         self.default_page_size = int(default_page_size)
+        self.max_blocks = max(int(max_blocks), 0)  # 0: no budget
+        # Runs least recently matched or stored first, when there is a budget to keep.
+        self._lru: OrderedDict[Run, None] | None = OrderedDict() if self.max_blocks else None
+        self.evicted = 0
+        self.dropped = 0
         self.shared_pool = bool(shared_pool)
         self.pool: set[int] = set()  # block hashes in the shared store (when shared_pool)
         self.speculative_ttl_s = float(speculative_ttl_s)
@@ -303,7 +331,7 @@ class BlockIndex:
                 _combine(run.spec, 0, len(run.spec), and_, keep)
                 if not any(run.spec):
                     run.spec = None
-            trim(run, self._roots)
+            trim(run, self._roots, self._lru)
 
     def _set_bits(self, h: int, keep: int, bits: int) -> None:
         """Block ``h``'s mask becomes ``(mask & keep) | bits``, on its page or, without one,
@@ -370,13 +398,14 @@ class BlockIndex:
                         rest = hashes[i:]
                         if self._new_chain(rest):  # a new chain at the end of a run: append it whole
                             grow(run, at, packed[i * width:])
-                            run.refs[at:] = repeat(1, n - i)
+                            run.names[at:] = rest
                             out += zip(repeat(run), range(at, at + n - i))
                             where.update(zip(rest, out[i:]))
+                            self._touch(run)
                             return out, i
                     place = step(run, at, packed if n == 1 else packed[i * width:(i + 1) * width])
                     where[h] = place
-                    place[0].refs[place[1]] += 1
+                    _name(place[0], place[1], h)
                     if h in self._by_hash:  # first reported without tokens: move it here
                         self._by_hash.discard(h)
                         m = self._hashed.pop(h, 0)
@@ -388,6 +417,8 @@ class BlockIndex:
                     self._by_hash.add(h)
             out.append(place)
             prev = place
+        if self._lru is not None:  # the deepest page placed
+            self._touch(next((p[0] for p in reversed(out) if p is not None), None))
         return out, n
 
     def _new_chain(self, hashes: Sequence[int]) -> bool:
@@ -415,15 +446,20 @@ class BlockIndex:
             self._hashed.pop(h, None)
             return
         run, i = place
-        run.refs[i] -= 1
-        if not run.refs[i]:
+        names = run.names[i]
+        if type(names) is list:
+            names.remove(h)
+            if len(names) == 1:
+                run.names[i] = names[0]
+        else:
+            run.names[i] = None
             self._dirty.add(run)  # trimmed once the whole event is applied
 
     def _trim_dirty(self) -> None:
         """Trim the runs that lost pages: once per run and event, however many it lost
         (an eviction removes a chain leaf first, one page per event)."""
         for run in self._dirty:
-            trim(run, self._roots)
+            trim(run, self._roots, self._lru)
         self._dirty.clear()
 
     # -- events -------------------------------------------------------------------------
@@ -480,6 +516,8 @@ class BlockIndex:
         if block_size and self._page_size.get(url) != block_size:  # the engine's own word
             self.set_page_size(url, block_size)
         self._epoch += 1
+        if parent is not None and self.evicted and self._drop_orphan(parent, hashes, token_ids):
+            return
         places, new = self._place(hashes, parent, token_ids,
                                   block_size or self._page_size.get(url, self.default_page_size), cache_salt)
         s = self.slot(url)
@@ -488,6 +526,7 @@ class BlockIndex:
             for place in places:
                 if place is not None:
                     place[0].mark_pooled(place[1], True)
+            self._fit()
             return
         keep, cumulative = self._keep[s], self._cumulative[s]
         parents, owned, holders = self.parent, self._owned[s], self._holders
@@ -511,6 +550,98 @@ class BlockIndex:
             holders.update(zip(rest, repeat(1)))
             run.masks[at:at + len(rest)] = repeat(cumulative[bit], len(rest))
             parents.update(zip(rest, chained((parent,), rest)))
+        self._fit()
+
+    # -- the memory budget --------------------------------------------------------------
+    def _touch(self, run: Run | None) -> None:
+        """``run`` becomes the most recently used: the run a prompt's path ends in, or a
+        store's deepest page. Runs it passed through are not: their pages past the branch
+        it took were not used (``_evict_run`` takes those, and a run's pages before a branch
+        only go with the branches)."""
+        lru = self._lru
+        if lru is None or run is None:
+            return
+        try:
+            lru.move_to_end(run)
+        except KeyError:
+            lru[run] = None
+
+    def _drop_orphan(self, parent: int, hashes: Sequence[int], token_ids: Sequence[int] | None) -> bool:
+        """Once the budget has evicted, a chain with tokens under a parent the index does not
+        know is dropped instead of kept by hash. Its parent was most likely evicted (the
+        engine still extends a chain the index forgot), so its pages cannot be placed; and
+        no prompt's match could reach them anyway, as every path breaks at the missing
+        parent. Kept by hash they would turn on the SHA fallback for every match (4x a
+        decision's cost, measured: ``bench/index_budget.py``). Chains without tokens are
+        kept by hash as ever: that is the only way they can be matched."""
+        if token_ids is None or parent in self._where or parent in self._by_hash or not self._new_chain(hashes):
+            return False
+        self.dropped += len(hashes)
+        return True
+
+    def _fit(self) -> None:
+        """Evict until the blocks known (placed or by hash) fit ``max_blocks``: the blocks
+        kept by hash first (each costs the SHA fallback on every match), then the least
+        recently used runs of the trie, each run's pages past its last branch at a time."""
+        if self._lru is None:
+            return
+        over = len(self._where) + len(self._by_hash) - self.max_blocks
+        if over <= 0:
+            return
+        if not self.evicted:
+            log.warning("precise index: %d blocks reached its budget (max_index_blocks=%d); evicting the least "
+                        "recently used, counted in index_evicted_blocks", self.max_blocks + over, self.max_blocks)
+        self._epoch += 1
+        while over > 0 and self._by_hash:
+            h = self._by_hash.pop()
+            self._forget(h, self._hashed.pop(h, 0))
+            self.evicted += 1
+            over -= 1
+        lru = self._lru
+        tries = 4 * len(lru) + 16  # each try evicts, or leaves a run out of the order
+        while over > 0 and lru and tries:
+            tries -= 1
+            over -= self._evict_run(next(iter(lru)))
+
+    def _evict_run(self, run: Run) -> int:
+        """Forget the blocks on ``run`` past its last branch (all of them when it has none,
+        and the run leaves the trie); returns how many. A run left all branch point leaves
+        the order until its last branch goes (``page_trie.detach``), as an inner radix
+        node is evicted only after its children."""
+        start = max(run.children) if run.children else 0
+        gone = 0
+        for names, mask in zip(run.names[start:], run.masks[start:]):
+            if names is None:
+                continue
+            for h in names if type(names) is list else (names,):
+                self._forget(h, mask)
+                gone += 1
+        self.evicted += gone
+        run.truncate(start)
+        for s, times in list((run.until or {}).items()):  # queued expiries find nothing left
+            if not any(times):
+                del run.until[s]  # type: ignore[index]
+                self._spec_runs.get(s, set()).discard(run)
+        if not run.until:
+            run.until = None
+        if run.children:
+            self._lru.pop(run, None)  # type: ignore[union-attr]
+        else:
+            parent = detach(run, self._roots, self._lru)
+            if parent is not None:
+                trim(parent, self._roots, self._lru)
+        return gone
+
+    def _forget(self, h: int, mask: int) -> None:
+        """Block ``h`` leaves the index for every worker (``mask``: who holds it)."""
+        self._where.pop(h, None)
+        self.parent.pop(h, None)
+        self._holders.pop(h, None)
+        self.pool.discard(h)
+        owned = self._owned
+        for b in _bit_indexes(mask):
+            if b % 3 == 2:
+                owned[b // 3].pop(h, None)
 
     def remove(self, url: str, hashes: Sequence[int], tier: int = 0) -> None:
         self._epoch += 1
@@ -594,6 +725,8 @@ class BlockIndex:
             got: tuple[bytes, Path, Run | None, int] = (packed or b"", [], root, 0)
         else:
             got = (packed, *walk(root, packed))
+            if got[1]:
+                self._touch(got[1][-1][0])
         self._last_walk = (request.request_id, page_size, self._epoch, got)
         return got
 
@@ -690,6 +823,7 @@ class BlockIndex:
             if end is None:
                 end, at = self._root(ps, request.cache_salt or None), 0
             run, first = grow(end, at, packed[done * width: pages * width])
+            self._touch(run)
             ranges.append((run, first + max(0, skip - done), first + pages - done))
         self._epoch += 1
         until = time.monotonic() + self.speculative_ttl_s
@@ -745,7 +879,7 @@ class BlockIndex:
                         run.until = None
                 if not any(spec):
                     run.spec = None
-                trim(run, self._roots)
+                trim(run, self._roots, self._lru)
 
     def maintain(self, now: float | None = None) -> None:
         self.expire(now)
@@ -765,4 +899,7 @@ class BlockIndex:
             "index_orphan_blocks": self.orphans,
             "index_events_applied": self.events_applied,
             "index_worker_clears": self.clears,
+            "index_max_blocks": self.max_blocks,
+            "index_evicted_blocks": self.evicted,
+            "index_dropped_blocks": self.dropped,
         }

@@ -8,7 +8,8 @@ approximate text tree that learns from every decision (counted as fallbacks in s
 
 Options beyond ``cache_aware``'s: ``kv_endpoints`` (worker URL -> endpoint or
 ``{endpoint, replay_endpoint, topic}``; default: each worker's ``server_info["kv_events"]``),
-``page_size`` (when server_info lacks it), ``speculative_ttl_s``, ``replay_timeout_s``.
+``page_size`` (when server_info lacks it), ``speculative_ttl_s``, ``replay_timeout_s``,
+``max_index_blocks`` (the precise index's memory budget, in blocks; 0: none).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from policies.fallback_index import PreciseOrApprox
 from policies.kv_feed import KvEventFeed, parse_endpoints
 from policies.tree_budget import TreeBudget
 
+# ~400 bytes a block with 64 workers (bench/decision_cost.py: 384 MiB RSS at 1M blocks), so
+# ~1.6 GiB; an SGLang fleet at page size 1 reports a block per token and can reach it.
+DEFAULT_MAX_INDEX_BLOCKS = 1 << 22
+
 
 def precise_index(options: Mapping[str, object], owner: str,
                   quiet: bool = False) -> tuple[PreciseOrApprox, KvEventFeed, TreeBudget]:
@@ -29,7 +34,8 @@ def precise_index(options: Mapping[str, object], owner: str,
     (``quiet``: a fleet without KV events is expected, say so at INFO only)."""
     precise = BlockIndex(default_page_size=int(options.get("page_size", 1)),
                          speculative_ttl_s=float(options.get("speculative_ttl_s", 3.0)),
-                         shared_pool=bool(options.get("shared_pool", True)))
+                         shared_pool=bool(options.get("shared_pool", True)),
+                         max_blocks=int(options.get("max_index_blocks", DEFAULT_MAX_INDEX_BLOCKS)))
     feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
                        replay_timeout_s=float(options.get("replay_timeout_s", 2.0)), quiet=quiet)
     tree, budget = make_radix(options, key="text")

@@ -8,8 +8,10 @@ compared run by run with ``bytes.startswith`` (memcmp): a conversation's pages s
 a few runs, so the walk is a handful of C calls whatever the prompt's length.
 
 A ``Run`` is a sequence of whole pages with per-page state kept in parallel lists:
-``masks`` (the workers' tier bits, see ``policies.block_index``), ``refs`` (how many block
-hashes name the page), ``spec`` (speculative bits) and ``pooled`` (in the shared pool).
+``masks`` (the workers' tier bits, see ``policies.block_index``), ``names`` (the block hash
+naming the page: None, one int, or a list of the few that share it; the index's memory
+budget evicts a run by these), ``spec`` (speculative bits) and ``pooled`` (in the shared
+pool).
 Runs never split. A page that diverges from a run at offset ``i`` starts a child run stored
 under ``children[i][first page bytes]``: its path is the run's first ``i`` pages, then its
 own. So a page's place, ``(run, offset)``, never changes while the page lives, and the
@@ -21,18 +23,19 @@ from a run's tail, and a run left empty and childless leaves its parent.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import repeat
 from typing import Any
 
 
 class Run:
-    __slots__ = ("key", "width", "masks", "refs", "spec", "pooled", "until", "children", "parent", "link")
+    __slots__ = ("key", "width", "masks", "names", "spec", "pooled", "until", "children", "parent", "link")
 
     def __init__(self, parent: Run | None, link: Any, width: int) -> None:
         self.key = bytearray()  # the pages' tokens as uint32 LE, ``width`` bytes per page
         self.width = width
         self.masks: list[int] = []
-        self.refs: list[int] = []
+        self.names: list[Any] = []  # per page: None, a block hash, or a list of them
         self.spec: list[int] | None = None
         self.pooled: bytearray | None = None
         self.until: dict[int, list[float]] | None = None  # slot -> per-page speculative expiry
@@ -43,7 +46,7 @@ class Run:
     def append(self, pages: bytes, n: int) -> None:
         self.key += pages
         self.masks.extend(repeat(0, n))
-        self.refs.extend(repeat(0, n))
+        self.names.extend(repeat(None, n))
         if self.spec is not None:
             self.spec.extend(repeat(0, n))
         if self.pooled is not None:
@@ -55,6 +58,18 @@ class Run:
                 return
             self.pooled = bytearray(len(self.masks))
         self.pooled[i] = on
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` pages."""
+        del self.key[n * self.width:], self.masks[n:], self.names[n:]
+        if self.spec is not None:
+            del self.spec[n:]
+            if not any(self.spec):
+                self.spec = None
+        if self.pooled is not None:
+            del self.pooled[n:]
+        for until in (self.until or {}).values():
+            del until[n:]
 
     def spec_list(self) -> list[int]:
         if self.spec is None:
@@ -126,37 +141,46 @@ def step(run: Run, at: int, page: bytes) -> tuple[Run, int]:
     return grow(run, at, page)
 
 
-def trim(run: Run, roots: dict) -> None:
+def detach(run: Run, roots: dict, lru: OrderedDict | None = None) -> Run | None:
+    """Take ``run`` (and so its subtree) out of the trie; returns its parent.
+
+    ``lru`` is the index's eviction order (oldest first), which leaves out runs that are all
+    branch point. A parent that has pages past its last branch again joins it at the front
+    when it was left out: those pages were last used through the branch that is gone."""
+    if lru is not None:
+        lru.pop(run, None)
+    parent = run.parent
+    if parent is None:
+        if roots.get(run.link) is run:
+            del roots[run.link]
+        return None
+    at, first = run.link
+    kids = parent.children[at]
+    del kids[first]
+    if not kids:
+        del parent.children[at]
+        # the parent's pages past its (new) last branch: evictable again, and old
+        if lru is not None and parent not in lru and max(parent.children, default=-1) < len(parent.masks):
+            lru[parent] = None
+            lru.move_to_end(parent, last=False)
+    run.parent = None
+    return parent
+
+
+def trim(run: Run, roots: dict, lru: OrderedDict | None = None) -> None:
     """Drop dead pages (no hash names them, no speculative bit, not pooled) from the tail of
-    ``run``, and runs left empty, upwards."""
-    width = run.width
+    ``run``, and runs left empty, upwards (and out of ``lru``, the index's eviction order)."""
     while True:
         n = len(run.masks)
-        refs, masks, spec, pooled, children = run.refs, run.masks, run.spec, run.pooled, run.children
-        while (n and not (refs[n - 1] or masks[n - 1]) and n not in children
+        names, masks, spec, pooled, children = run.names, run.masks, run.spec, run.pooled, run.children
+        while (n and names[n - 1] is None and not masks[n - 1] and n not in children
                and (spec is None or not spec[n - 1]) and (pooled is None or not pooled[n - 1])):
             n -= 1
         if n < len(run.masks):
-            del run.key[n * width:], run.masks[n:], run.refs[n:]
-            if run.spec is not None:
-                del run.spec[n:]
-                if not any(run.spec):
-                    run.spec = None
-            if run.pooled is not None:
-                del run.pooled[n:]
-            for until in (run.until or {}).values():
-                del until[n:]
+            run.truncate(n)
         if n or run.children:
             return
-        parent = run.parent
+        parent = detach(run, roots, lru)
         if parent is None:
-            if roots.get(run.link) is run:
-                del roots[run.link]
             return
-        at, first = run.link
-        kids = parent.children[at]
-        del kids[first]
-        if not kids:
-            del parent.children[at]
-        run.parent = None
         run = parent
