@@ -68,7 +68,10 @@ def main() -> None:
 
     def policy(package: str):
         """The policy on its own precise index, filled as decision_cost fills its."""
-        index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=3.0)
+        # with the memory budget the policies build it with, where that code has one
+        budget = getattr(importlib.import_module(package + ".kv_events"), "DEFAULT_MAX_INDEX_BLOCKS", None)
+        extra = {} if budget is None else {"max_blocks": budget}
+        index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=3.0, **extra)
         fill(index, workers, owners, conv_pages, ps)
         if args.policy == "cost":
             return importlib.import_module(package + ".cost").Cost(index=index)

@@ -41,7 +41,7 @@ from policies.base import EngineLoad, Outcome, RequestView, WorkerView  # noqa: 
 from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
-from policies.kv_events import KvEvents  # noqa: E402
+from policies.kv_events import DEFAULT_MAX_INDEX_BLOCKS, KvEvents  # noqa: E402
 from policies.radix_index import RadixIndex  # noqa: E402
 from wire.hashing import page_hashes, uint32_le  # noqa: E402
 
@@ -145,7 +145,7 @@ def main() -> None:
     gc.collect()
     base = rss_mib()
     t0 = time.perf_counter()
-    precise = BlockIndex(speculative_ttl_s=3.0)
+    precise = BlockIndex(speculative_ttl_s=3.0, max_blocks=DEFAULT_MAX_INDEX_BLOCKS)  # the policies' budget
     fill(precise, workers, owners, args.conv_pages, ps)
     build_precise = time.perf_counter() - t0
     gc.collect()

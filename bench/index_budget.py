@@ -39,7 +39,8 @@ from wire.hashing import page_hashes  # noqa: E402
 from wire.kv_events import BlockStored  # noqa: E402
 
 
-def one(budget: int, blocks: int, page_size: int, conv_pages: int, batches: int, decisions: int, seed: int) -> dict:
+def one(budget: int, blocks: int, page_size: int, conv_pages: int, batches: int, decisions: int, recent: int,
+        seed: int) -> dict:
     """One budget's figures (run in a fresh process)."""
     rng = random.Random(seed)
     n_conv = max(1, blocks // conv_pages)
@@ -71,11 +72,12 @@ def one(budget: int, blocks: int, page_size: int, conv_pages: int, batches: int,
     wall, cpu = timed(lambda b, _w: index.apply_batch(url, b), steps, workers)
     per_page = [c / 40 for c in cpu]
 
-    # next turns of the conversations stored last (the most recent: held under any budget here)
-    recent = list(owners)[-max(1, min(len(owners), budget // conv_pages // 2 if budget else 400)):]
+    # next turns of the conversations stored last (the most recent: held under every budget
+    # that holds ``recent`` conversations and the stores above), the same for every budget
+    last = list(owners)[-recent:]
     reqs = []
     for i in range(decisions):
-        c = recent[i % len(recent)]
+        c = last[i % len(last)]
         tokens = conversation(c, conv_pages, ps)
         reqs.append(RequestView(f"d{i}", "/generate", token_ids=tokens[: cut * 2] + [ev.randrange(32_000)] * 40))
     dwall, dcpu = timed(policy.select, reqs, workers)
@@ -94,12 +96,13 @@ def main() -> None:
     ap.add_argument("--conv-pages", type=int, default=250)
     ap.add_argument("--batches", type=int, default=300)
     ap.add_argument("--decisions", type=int, default=2000)
+    ap.add_argument("--recent", type=int, default=400, help="conversations the decisions continue (the last stored)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
         print(json.dumps(one(args.one, args.blocks, args.page_size, args.conv_pages, args.batches,
-                             args.decisions, args.seed)))
+                             args.decisions, args.recent, args.seed)))
         return
     print("# precise index under a memory budget (max_index_blocks)")
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
@@ -115,7 +118,8 @@ def main() -> None:
     for budget in args.budgets:
         cmd = [sys.executable, __file__, "--one", str(budget), "--blocks", str(args.blocks),
                "--page-size", str(args.page_size), "--conv-pages", str(args.conv_pages),
-               "--batches", str(args.batches), "--decisions", str(args.decisions), "--seed", str(args.seed)]
+               "--batches", str(args.batches), "--decisions", str(args.decisions), "--recent", str(args.recent),
+               "--seed", str(args.seed)]
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         print(f"| {budget or 'none'} | {r['held']:,} | {r['evicted']:,} ({r['store_evicted']:,}) | {r['dropped']:,} "
               f"| {r['rss_mib']:.0f} | {r['rss_mib'] * 2**20 / max(r['held'], 1):.0f} | {r['build_s']:.1f} "

@@ -561,9 +561,9 @@ class BlockIndex:
         lru = self._lru
         if lru is None or run is None:
             return
-        try:
+        if run in lru:
             lru.move_to_end(run)
-        except KeyError:
+        else:
             lru[run] = None
 
     def _drop_orphan(self, parent: int, hashes: Sequence[int], token_ids: Sequence[int] | None) -> bool:
@@ -822,8 +822,9 @@ class BlockIndex:
         if done < pages:
             if end is None:
                 end, at = self._root(ps, request.cache_salt or None), 0
+            # (not put in the eviction order: pages no block names yet do not count against the
+            # budget, and expire on their own; a store that names them puts their run in it)
             run, first = grow(end, at, packed[done * width: pages * width])
-            self._touch(run)
             ranges.append((run, first + max(0, skip - done), first + pages - done))
         self._epoch += 1
         until = time.monotonic() + self.speculative_ttl_s
@@ -899,6 +900,7 @@ class BlockIndex:
             "index_orphan_blocks": self.orphans,
             "index_events_applied": self.events_applied,
             "index_worker_clears": self.clears,
+            "index_known_blocks": len(self._where) + len(self._by_hash),  # what max_blocks bounds
             "index_max_blocks": self.max_blocks,
             "index_evicted_blocks": self.evicted,
             "index_dropped_blocks": self.dropped,

@@ -50,6 +50,6 @@ def test_precise_index_budget_forgets_old_conversations_not_the_current_one():
     evicted, each follow-up still finds its own history, predicted exactly."""
     usage, stats = _run("--policy", "kv_events", "--kv-events", "--policy-option", "max_index_blocks=40")
     assert all(cached > 0 for turn, cached in usage if turn > 0), usage
-    assert stats["index_evicted_blocks"] > 0 and 0 < stats["index_blocks"] <= 40
+    assert stats["index_evicted_blocks"] > 0 and 0 < stats["index_known_blocks"] <= 40
     assert stats["index_hash_keyed_blocks"] == 0
     assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0
