@@ -32,9 +32,9 @@ from a lost event, an expiring speculative entry) ends the prefix there, as it w
 engine. Each worker's own raw tier bits per block hash live in its slot's dict (used for
 updates), and how many workers hold each hash decides when a block is forgotten.
 
-Parent links (by block hash) are kept for each stored block so a worker's chains can be
-read back (``chain``) and blocks whose parent the worker never reported are counted
-(``orphans``: a sign of lost events).
+Blocks whose parent the worker never reported are counted (``orphans``: a sign of lost
+events). Parent links themselves are not kept: the trie's runs are the chains, and a dict
+entry per block was ~20% of the index's memory with nothing reading it.
 
 The Mooncake pool (medium ``EXTERNAL``/``DISK``) is one store shared by every engine
 attached to it, so by default (``shared_pool``) a page any engine announced there counts for
@@ -239,7 +239,6 @@ class BlockIndex:
         self.shared_pool = bool(shared_pool)
         self.pool: set[int] = set()  # block hashes in the shared store (when shared_pool)
         self.speculative_ttl_s = float(speculative_ttl_s)
-        self.parent: dict[int, int | None] = {}  # block hash -> parent block hash
         self._roots: dict[tuple[int, str | None], Run] = {}  # (page size, salt) -> trie root
         self._where: dict[int, Place] = {}  # block hash -> its page in the trie
         self._holders: dict[int, int] = {}  # block hash -> how many workers hold it
@@ -439,7 +438,6 @@ class BlockIndex:
             self._release(h)
 
     def _release(self, h: int) -> None:
-        self.parent.pop(h, None)
         place = self._where.pop(h, None)
         if place is None:
             self._by_hash.discard(h)
@@ -529,7 +527,7 @@ class BlockIndex:
             self._fit()
             return
         keep, cumulative = self._keep[s], self._cumulative[s]
-        parents, owned, holders = self.parent, self._owned[s], self._holders
+        owned, holders = self._owned[s], self._holders
         if parent is not None and parent not in owned:
             self.orphans += 1
         bit = 1 << tier
@@ -541,15 +539,12 @@ class BlockIndex:
             raw |= bit
             owned[h] = raw
             self._set_bits(h, keep, cumulative[raw])
-            parents[h] = parent
-            parent = h
         if new < len(hashes):  # blocks nobody knew, appended whole to one run: all at once, in C
             rest = hashes[new:]
             run, at = places[new]  # type: ignore[misc]
             owned.update(zip(rest, repeat(bit)))
             holders.update(zip(rest, repeat(1)))
             run.masks[at:at + len(rest)] = repeat(cumulative[bit], len(rest))
-            parents.update(zip(rest, chained((parent,), rest)))
         self._fit()
 
     # -- the memory budget --------------------------------------------------------------
@@ -635,7 +630,6 @@ class BlockIndex:
     def _forget(self, h: int, mask: int) -> None:
         """Block ``h`` leaves the index for every worker (``mask``: who holds it)."""
         self._where.pop(h, None)
-        self.parent.pop(h, None)
         self._holders.pop(h, None)
         self.pool.discard(h)
         owned = self._owned
@@ -674,15 +668,6 @@ class BlockIndex:
                 del owned[h]
                 self._unhold(h)
         self._trim_dirty()
-
-    def chain(self, h: int, limit: int = 1 << 20) -> list[int]:
-        """The stored chain ending at block hash ``h``, root first."""
-        out: list[int] = []
-        cur: int | None = h
-        while cur is not None and cur in self.parent and len(out) < limit:
-            out.append(cur)
-            cur = self.parent[cur]
-        return out[::-1]
 
     # -- requests -----------------------------------------------------------------------
     def usable(self, request: RequestView) -> bool:

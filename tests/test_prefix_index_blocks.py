@@ -71,7 +71,7 @@ def test_match_equals_naive_chains(operations, queries):
     assert not index.stats()["index_hash_keyed_blocks"]  # every store carried its tokens
     for url in URLS:  # what nobody holds leaves the trie
         index.apply(url, AllBlocksCleared())
-    assert not index._roots and not index._where and not index.parent
+    assert not index._roots and not index._where and not index._holders
 
 
 def test_sglang_test_vector_and_salt():
@@ -82,7 +82,6 @@ def test_sglang_test_vector_and_salt():
     match = index.match(req([1, 2, 3, 4, 5]), WORKERS)
     assert match.hits[URLS[0]].gpu == 4 and match.query_len == 5
     assert not index.match(req([1, 2, 3, 4, 5], salt="tenant-a"), WORKERS).hits
-    assert index.chain(hashes[1]) == hashes
 
 
 def test_speculative_entries_expire_unless_confirmed():

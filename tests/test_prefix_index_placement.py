@@ -156,7 +156,7 @@ def test_blocks_reported_by_hash_first_move_to_their_keys():
     index.apply(URLS[1], BlockRemoved(hashes[:3], "EXTERNAL"))
     assert set(index.match(req(tokens), WORKERS).hits) == {URLS[2]}
     index.clear_worker(URLS[2])
-    assert not index._holders and not index.pool and not index._where and not index.parent
+    assert not index._holders and not index.pool and not index._where and not index._roots
     assert not index._roots  # the trie let go of every page
 
 
