@@ -150,3 +150,43 @@ def test_no_budget_keeps_everything():
     for k in range(20):
         store(index, URLS[k % 5], [k] * 8)
     assert blocks(index) == 80 and index.stats()["index_evicted_blocks"] == 0 and index._lru is None
+
+
+def reachable(index: BlockIndex) -> set:
+    runs, stack = set(), list(index._roots.values())
+    while stack:
+        run = stack.pop()
+        runs.add(run)
+        stack.extend(child for kids in run.children.values() for child in kids.values())
+    return runs
+
+
+spec_ops = st.lists(st.tuples(st.sampled_from(["store", "record", "expire", "remove"]), st.integers(0, 4), seqs,
+                              st.integers(0, 8)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec_ops, st.integers(3, 12))
+def test_eviction_order_holds_only_live_runs_with_speculative_entries(operations, budget):
+    """Stores, speculative records, expiries and removals interleaved under a budget: the
+    eviction order never holds a run that left the trie, and once every worker is cleared and
+    every speculative entry expired, nothing is left (no run, no order entry)."""
+    index = BlockIndex(speculative_ttl_s=1.0, max_blocks=budget)
+    for n, (op, w, tokens, cut) in enumerate(operations):
+        url = URLS[w]
+        if op == "store":
+            store(index, url, tokens, cut)
+        elif op == "record":
+            request = req(tokens, rid=f"r{n}")
+            index.match(request, WORKERS)
+            index.record(request, WORKERS[w])
+        elif op == "expire" and index._spec_queue:  # the oldest record's entries
+            index.expire(now=index._spec_queue[0][0])
+        else:
+            index.apply(url, BlockRemoved(page_hashes(tokens, PS)[cut // 2:], "GPU"))
+        assert blocks(index) <= budget
+        assert set(index._lru) <= reachable(index)
+    for url in URLS:
+        index.clear_worker(url)
+    index.expire(now=float("inf"))
+    assert not index._roots and not index._lru and not index._where
