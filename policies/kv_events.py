@@ -23,8 +23,9 @@ from policies.fallback_index import PreciseOrApprox
 from policies.kv_feed import KvEventFeed, parse_endpoints
 from policies.tree_budget import TreeBudget
 
-# ~400 bytes a block with 64 workers (bench/decision_cost.py: 384 MiB RSS at 1M blocks), so
-# ~1.6 GiB; an SGLang fleet at page size 1 reports a block per token and can reach it.
+# ~360 bytes a block with 64 workers when built, ~700 once churned at the budget
+# (bench/index_budget.py), so 1.4-2.8 GiB; an SGLang fleet at page size 1 reports a block
+# per token and can reach it.
 DEFAULT_MAX_INDEX_BLOCKS = 1 << 22
 
 
