@@ -45,8 +45,8 @@ fleets whose engines do not share one pool (``shared_pool=False``).
 A memory budget (``max_blocks``; policy option ``max_index_blocks``) bounds the blocks known.
 The index then keeps its runs in least recently used order (the run a prompt's path ends in,
 and a store's deepest page, become the newest) and, past the budget, forgets the oldest run's
-pages past its last branch: a conversation's own pages, as SGLang's radix cache evicts its
-least recently used leaves, while a prefix shared by several stays as long as any branch
+pages past its last branch, deepest first and only as many as it must: a conversation's own
+pages, as SGLang's radix cache evicts its least recently used leaves, while a prefix shared by several stays as long as any branch
 under it is used. Forgetting is for every worker at once (the pages leave the trie), and
 once the index has forgotten anything, chains reported under a parent it does not know are
 dropped rather than kept by hash (``_drop_orphan``).
@@ -576,8 +576,8 @@ class BlockIndex:
 
     def _fit(self) -> None:
         """Evict until the blocks known (placed or by hash) fit ``max_blocks``: the blocks
-        kept by hash first (each costs the SHA fallback on every match), then the least
-        recently used runs of the trie, each run's pages past its last branch at a time."""
+        kept by hash first (each costs the SHA fallback on every match), then the pages of
+        the least recently used runs past their last branch, deepest first."""
         if self._lru is None:
             return
         over = len(self._where) + len(self._by_hash) - self.max_blocks
@@ -596,29 +596,37 @@ class BlockIndex:
         tries = 4 * len(lru) + 16  # each try evicts, or leaves a run out of the order
         while over > 0 and lru and tries:
             tries -= 1
-            over -= self._evict_run(next(iter(lru)))
+            over -= self._evict_run(next(iter(lru)), over)
 
-    def _evict_run(self, run: Run) -> int:
-        """Forget the blocks on ``run`` past its last branch (all of them when it has none,
-        and the run leaves the trie); returns how many. A run left all branch point leaves
-        the order until its last branch goes (``page_trie.detach``), as an inner radix
-        node is evicted only after its children."""
+    def _evict_run(self, run: Run, want: int) -> int:
+        """Forget ``run``'s last pages, deepest first, until ``want`` blocks are gone or the
+        run's last branch is reached; returns how many went. So the work per store is what
+        the store added (a whole 100k-token run at page size 1 would stall the loop), and
+        the run stays first in the order while it has pages past its last branch. A run
+        left all branch point leaves the order until its last branch goes
+        (``page_trie.detach``), as an inner radix node is evicted only after its children;
+        a run left empty leaves the trie."""
         start = max(run.children) if run.children else 0
-        gone = 0
-        for names, mask in zip(run.names[start:], run.masks[start:]):
+        names_at, masks = run.names, run.masks
+        i, gone = len(names_at), 0
+        while i > start and gone < want:
+            i -= 1
+            names = names_at[i]
             if names is None:
                 continue
             for h in names if type(names) is list else (names,):
-                self._forget(h, mask)
+                self._forget(h, masks[i])
                 gone += 1
         self.evicted += gone
-        run.truncate(start)
+        run.truncate(i)
         for s, times in list((run.until or {}).items()):  # queued expiries find nothing left
             if not any(times):
                 del run.until[s]  # type: ignore[index]
                 self._spec_runs.get(s, set()).discard(run)
         if not run.until:
             run.until = None
+        if i > start:
+            return gone
         if run.children:
             self._lru.pop(run, None)  # type: ignore[union-attr]
         else:

@@ -40,6 +40,21 @@ def at_most(small: tuple[int, int, int], big: tuple[int, int, int]) -> bool:
     return small[0] <= big[0] and small[0] + small[1] <= big[0] + big[1] and sum(small) <= sum(big)
 
 
+def reachable(index: BlockIndex) -> set:
+    runs, stack = set(), list(index._roots.values())
+    while stack:
+        run = stack.pop()
+        runs.add(run)
+        stack.extend(child for kids in run.children.values() for child in kids.values())
+    return runs
+
+
+def branches_hang_on_pages(index: BlockIndex) -> bool:
+    """No run has lost the pages a branch of it diverges after (the branch would be cut off
+    from every prompt's path while its blocks still counted)."""
+    return all(max(run.children, default=0) <= len(run.masks) for run in reachable(index))
+
+
 seqs = st.lists(st.integers(0, 3), min_size=2, max_size=16)
 ops = st.lists(st.tuples(st.sampled_from(["store", "store", "match", "remove"]), st.sampled_from(URLS), seqs,
                          st.integers(0, 8), st.integers(0, 2)), max_size=40)
@@ -67,6 +82,7 @@ def test_budget_holds_and_only_shortens_matches(operations, budget, shared_pool)
             for index in (full, small):
                 index.apply(url, BlockRemoved(hashes[cut // 2:], MEDIUMS[tier]))
         assert blocks(small) <= budget
+        assert branches_hang_on_pages(small)
         assert not small.stats()["index_hash_keyed_blocks"]  # children of evicted blocks are dropped
         for _, _, query, _, _ in operations[:8]:
             got, bound = prefix(small, query), prefix(full, query)
@@ -96,15 +112,18 @@ def test_least_recently_used_conversation_goes_first_and_its_next_turn_is_droppe
     assert index.stats()["index_dropped_blocks"] == 2 and not index.stats()["index_hash_keyed_blocks"]
     assert blocks(index) == 12
     # a's worker goes on with a: placed, and d makes room (the oldest now: the checks
-    # above matched a and c, and matching is using)
+    # above matched a and c, and matching is using), one page for the one that came, its
+    # deepest
     nxt = a + [11, 11]
     index.apply(URLS[0], BlockStored(page_hashes(nxt, PS)[4:], hashes[10][-1], [11, 11], PS, None, "GPU"))
-    assert blocks(index) == 9  # d went whole, four pages for the one that came
-    assert prefix(index, d) == {} and prefix(index, c) == {URLS[2]: (8, 0, 0)}
+    assert blocks(index) == 12 and index.evicted == 5
+    assert prefix(index, d) == {URLS[3]: (6, 0, 0)} and prefix(index, c) == {URLS[2]: (8, 0, 0)}
     assert prefix(index, nxt) == {URLS[0]: (10, 0, 0)}
-    # what was forgotten comes back when an engine stores it again
+    # what was forgotten comes back when an engine stores it again; c's deepest page makes
+    # room (d, c, then a were matched last, and the store made d the newest)
     store(index, URLS[3], d)
-    assert prefix(index, d) == {URLS[3]: (8, 0, 0)}
+    assert prefix(index, d) == {URLS[3]: (8, 0, 0)} and prefix(index, c) == {URLS[2]: (6, 0, 0)}
+    assert blocks(index) == 12
 
 
 def test_a_shared_prefix_stays_while_any_conversation_under_it_is_used():
@@ -152,15 +171,6 @@ def test_no_budget_keeps_everything():
     assert blocks(index) == 80 and index.stats()["index_evicted_blocks"] == 0 and index._lru is None
 
 
-def reachable(index: BlockIndex) -> set:
-    runs, stack = set(), list(index._roots.values())
-    while stack:
-        run = stack.pop()
-        runs.add(run)
-        stack.extend(child for kids in run.children.values() for child in kids.values())
-    return runs
-
-
 spec_ops = st.lists(st.tuples(st.sampled_from(["store", "record", "expire", "remove"]), st.integers(0, 4), seqs,
                               st.integers(0, 8)), max_size=40)
 
@@ -185,8 +195,21 @@ def test_eviction_order_holds_only_live_runs_with_speculative_entries(operations
         else:
             index.apply(url, BlockRemoved(page_hashes(tokens, PS)[cut // 2:], "GPU"))
         assert blocks(index) <= budget
-        assert set(index._lru) <= reachable(index)
+        assert set(index._lru) <= reachable(index) and branches_hang_on_pages(index)
     for url in URLS:
         index.clear_worker(url)
     index.expire(now=float("inf"))
     assert not index._roots and not index._lru and not index._where
+
+
+def test_eviction_takes_only_what_a_store_pushed_over_deepest_first():
+    """A long conversation at the front of the order loses one page per page stored, from its
+    end: the work per event stays the event's size, not the run's."""
+    index = BlockIndex(speculative_ttl_s=0, max_blocks=200)
+    long = [3] * 400  # 200 pages
+    store(index, URLS[0], long)
+    for k in range(1, 6):
+        store(index, URLS[1], [100 + k] * 2)  # one new page each (no match in between: that is use)
+        assert index.evicted == k and blocks(index) == 200
+    assert prefix(index, long) == {URLS[0]: (390, 0, 0)}
+    assert all(prefix(index, [100 + k] * 2) == {URLS[1]: (2, 0, 0)} for k in range(1, 6))
