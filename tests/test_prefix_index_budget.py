@@ -171,14 +171,14 @@ def test_no_budget_keeps_everything():
     assert blocks(index) == 80 and index.stats()["index_evicted_blocks"] == 0 and index._lru is None
 
 
-spec_ops = st.lists(st.tuples(st.sampled_from(["store", "record", "expire", "remove"]), st.integers(0, 4), seqs,
+spec_ops = st.lists(st.tuples(st.sampled_from(["store", "record", "expire", "remove", "clear"]), st.integers(0, 4), seqs,
                               st.integers(0, 8)), max_size=40)
 
 
 @settings(max_examples=200, deadline=None)
 @given(spec_ops, st.integers(3, 12))
 def test_eviction_order_holds_only_live_runs_with_speculative_entries(operations, budget):
-    """Stores, speculative records, expiries and removals interleaved under a budget: the
+    """Stores, speculative records, expiries, removals and clears interleaved under a budget: the
     eviction order never holds a run that left the trie, and once every worker is cleared and
     every speculative entry expired, nothing is left (no run, no order entry)."""
     index = BlockIndex(speculative_ttl_s=1.0, max_blocks=budget)
@@ -192,7 +192,9 @@ def test_eviction_order_holds_only_live_runs_with_speculative_entries(operations
             index.record(request, WORKERS[w])
         elif op == "expire" and index._spec_queue:  # the oldest record's entries
             index.expire(now=index._spec_queue[0][0])
-        else:
+        elif op == "clear":  # AllBlocksCleared, a reconnect or a lost gap
+            index.clear_worker(url)
+        elif op == "remove":
             index.apply(url, BlockRemoved(page_hashes(tokens, PS)[cut // 2:], "GPU"))
         assert blocks(index) <= budget
         assert set(index._lru) <= reachable(index) and branches_hang_on_pages(index)
