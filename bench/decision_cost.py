@@ -46,6 +46,7 @@ from policies.radix_index import RadixIndex  # noqa: E402
 from wire.hashing import page_hashes, uint32_le  # noqa: E402
 
 MEDIUMS = ["GPU", "GPU", "GPU", "CPU_PINNED", "EXTERNAL"]
+LAG = 1000  # decisions between a speculative entry and its expiry, in the steady-state row
 
 
 def rss_mib() -> float:
@@ -191,6 +192,34 @@ def main() -> None:
             cpu += c
         return wall, cpu
 
+    def steady_turns(fn, tag: str) -> tuple[list[float], list[float]]:
+        """``timed_turns`` in the steady state of a gateway: every decision's speculative
+        entries expire ``speculative_ttl_s`` later inside a later decision's match (a few per
+        decision), their pages cold in memory by then. The other rows start with entries
+        made seconds earlier: some expire nothing, and one that follows another row's
+        decisions expires four a decision until the queue drains. Here the queue starts
+        empty and the TTL is set to about ``LAG`` decisions, so the timed ones each expire
+        about one decision's entries from ``LAG`` decisions back."""
+        precise.expire(now=float("inf"))
+        pairs = turns(tag)
+        t0 = time.perf_counter()
+        for prev, nxt in pairs[:200]:  # the rate, with entries that outlive the row (cleared after)
+            fn(prev, workers)
+            fn(nxt, workers)
+        precise.speculative_ttl_s = (time.perf_counter() - t0) / 200 * LAG
+        for prev, nxt in pairs[200:200 + LAG]:
+            fn(prev, workers)
+            fn(nxt, workers)
+        wall, cpu = [], []
+        for prev, nxt in pairs[200 + LAG:]:
+            fn(prev, workers)
+            w, c = timed(fn, [nxt], workers)
+            wall += w
+            cpu += c
+        precise.speculative_ttl_s = 3.0
+        precise.expire(now=float("inf"))
+        return wall, cpu
+
     def pool_split(name: str, times: tuple[list[float], list[float]], tag: str) -> list[str]:
         """The row, then split by whether the shared pool holds the prompt's leading pages
         (about a third of the fleet's conversations): every worker can load those, so the
@@ -220,11 +249,16 @@ def main() -> None:
                        timed(precise.match, reqs, workers)))
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
     results += pool_split("kv_events select, next turn", timed_turns(kv.select, "k"), "k")
+    results.append(row(f"kv_events select, next turn, each decision expiring the speculative entries of one "
+                       f"{LAG} decisions back (steady state)", steady_turns(kv.select, "e")))
+    precise.expire(now=float("inf"))  # the rows below start without entries waiting to expire
     results += pool_split("cost select, precise index, next turn", timed_turns(cost_precise.select, "c"), "c")
+    precise.expire(now=float("inf"))
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))
     results.append(row("cost select, approx index (match + insert)", timed_turns(cost_approx.select, "d")))
     # One block reported without token ids is enough to turn on the SHA fallback for every walk.
+    precise.expire(now=float("inf"))
     precise.store(workers[0].url, [12345], None, 0, ps)
     results.append(row("kv_events select, next turn, SHA fallback on (a block known by hash only)",
                        timed_turns(kv.select, "s")))
