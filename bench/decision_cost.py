@@ -180,11 +180,12 @@ def main() -> None:
                         RequestView(f"{tag}{i}", "/generate", token_ids=nxt)))
         return out
 
-    def timed_turns(fn, tag: str, *, warm: bool = True) -> tuple[list[float], list[float]]:
-        """Time ``fn`` on next turns; with ``warm`` the previous turn was routed first
-        (untimed), so its page-hash segments and speculative entries exist."""
+    def timed_turns(fn, tag: str, *, warm: bool = True, pairs=None) -> tuple[list[float], list[float]]:
+        """Time ``fn`` on next turns (``pairs``, else ``turns(tag)``); with ``warm`` the
+        previous turn was routed first (untimed), so its page-hash segments and speculative
+        entries exist."""
         wall, cpu = [], []
-        for prev, nxt in turns(tag):
+        for prev, nxt in turns(tag) if pairs is None else pairs:
             if warm:
                 fn(prev, workers)
             w, c = timed(fn, [nxt], workers)
@@ -195,11 +196,10 @@ def main() -> None:
     def steady_turns(fn, tag: str) -> tuple[list[float], list[float]]:
         """``timed_turns`` in the steady state of a gateway: every decision's speculative
         entries expire ``speculative_ttl_s`` later inside a later decision's match (a few per
-        decision), their pages cold in memory by then. The other rows start with entries
-        made seconds earlier: some expire nothing, and one that follows another row's
-        decisions expires four a decision until the queue drains. Here the queue starts
-        empty and the TTL is set to about ``LAG`` decisions, so the timed ones each expire
-        about one decision's entries from ``LAG`` decisions back."""
+        decision), their pages cold in memory by then. The other rows take less than the TTL
+        and so expire nothing. Here the queue starts empty and the TTL is set to about
+        ``LAG`` decisions, so the timed ones each expire about one decision's entries from
+        ``LAG`` decisions back."""
         precise.expire(now=float("inf"))
         pairs = turns(tag)
         t0 = time.perf_counter()
@@ -210,12 +210,7 @@ def main() -> None:
         for prev, nxt in pairs[200:200 + LAG]:
             fn(prev, workers)
             fn(nxt, workers)
-        wall, cpu = [], []
-        for prev, nxt in pairs[200 + LAG:]:
-            fn(prev, workers)
-            w, c = timed(fn, [nxt], workers)
-            wall += w
-            cpu += c
+        wall, cpu = timed_turns(fn, tag, pairs=pairs[200 + LAG:])
         precise.speculative_ttl_s = 3.0
         precise.expire(now=float("inf"))
         return wall, cpu

@@ -54,7 +54,7 @@ def one(budget: int, blocks: int, page_size: int, conv_pages: int, batches: int,
     build_s = time.perf_counter() - t0
     gc.collect()
     mem = rss_mib() - base
-    held = len(index._where) + len(index._by_hash)
+    held = index.known_blocks()
     tune_gc()
 
     ps, cut = page_size, conv_pages * page_size // 5

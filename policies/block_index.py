@@ -46,10 +46,10 @@ A memory budget (``max_blocks``; policy option ``max_index_blocks``) bounds the 
 The index then keeps its runs in least recently used order (the run a prompt's path ends in,
 and a store's deepest page, become the newest) and, past the budget, forgets the oldest run's
 pages past its last branch, deepest first and only as many as it must: a conversation's own
-pages, as SGLang's radix cache evicts its least recently used leaves, while a prefix shared by several stays as long as any branch
-under it is used. Forgetting is for every worker at once (the pages leave the trie), and
-once the index has forgotten anything, chains reported under a parent it does not know are
-dropped rather than kept by hash (``_drop_orphan``).
+pages, as SGLang's radix cache evicts its least recently used leaves, while a prefix shared
+by several stays as long as any branch under it is used. Forgetting is for every worker at
+once (the pages leave the trie), and once the index has forgotten anything, chains reported
+under a parent it does not know are dropped rather than kept by hash (``_drop_orphan``).
 
 Speculative entries cover the time between routing a request and the engine's
 ``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
@@ -548,6 +548,10 @@ class BlockIndex:
         self._fit()
 
     # -- the memory budget --------------------------------------------------------------
+    def known_blocks(self) -> int:
+        """What ``max_blocks`` bounds: blocks placed in the trie or kept by hash."""
+        return len(self._where) + len(self._by_hash)
+
     def _touch(self, run: Run | None) -> None:
         """``run`` becomes the most recently used: the run a prompt's path ends in, or a
         store's deepest page. Runs it passed through are not: their pages past the branch
@@ -580,7 +584,7 @@ class BlockIndex:
         the least recently used runs past their last branch, deepest first."""
         if self._lru is None:
             return
-        over = len(self._where) + len(self._by_hash) - self.max_blocks
+        over = self.known_blocks() - self.max_blocks
         if over <= 0:
             return
         if not self.evicted:
@@ -621,10 +625,7 @@ class BlockIndex:
         run.truncate(i)
         for s, times in list((run.until or {}).items()):  # queued expiries find nothing left
             if not any(times):
-                del run.until[s]  # type: ignore[index]
-                self._spec_runs.get(s, set()).discard(run)
-        if not run.until:
-            run.until = None
+                self._spec_done(run, s)
         if i > start:
             return gone
         if run.children:
@@ -634,6 +635,13 @@ class BlockIndex:
             if parent is not None:
                 trim(parent, self._roots, self._lru)
         return gone
+
+    def _spec_done(self, run: Run, s: int) -> None:
+        """Slot ``s`` has no speculative page left on ``run``."""
+        del run.until[s]  # type: ignore[index]
+        self._spec_runs.get(s, set()).discard(run)
+        if not run.until:
+            run.until = None
 
     def _forget(self, h: int, mask: int) -> None:
         """Block ``h`` leaves the index for every worker (``mask``: who holds it)."""
@@ -867,10 +875,7 @@ class BlockIndex:
                             times[i] = 0.0
                             spec[i] &= clear
                 if not any(times):
-                    del run.until[s]
-                    self._spec_runs.get(s, set()).discard(run)
-                    if not run.until:
-                        run.until = None
+                    self._spec_done(run, s)
                 if not any(spec):
                     run.spec = None
                 trim(run, self._roots, self._lru)
@@ -893,7 +898,7 @@ class BlockIndex:
             "index_orphan_blocks": self.orphans,
             "index_events_applied": self.events_applied,
             "index_worker_clears": self.clears,
-            "index_known_blocks": len(self._where) + len(self._by_hash),  # what max_blocks bounds
+            "index_known_blocks": self.known_blocks(),
             "index_max_blocks": self.max_blocks,
             "index_evicted_blocks": self.evicted,
             "index_dropped_blocks": self.dropped,
