@@ -60,6 +60,9 @@ def main() -> None:
                     help="build every prompt before timing, as decision_cost does (default: each one between "
                          "two decisions, ~4,000 fresh ints, so a decision starts with colder caches, as in a "
                          "gateway that parses and proxies between decisions)")
+    ap.add_argument("--speculative-ttl", type=float, default=3.0,
+                    help="seconds a decision's speculative entry lives; below the run's length (~0.5) every "
+                         "decision also expires about one entry, as in a gateway's steady state")
     args = ap.parse_args()
     ps, conv_pages, turns = 16, 250, 5
     rng = random.Random(args.seed)
@@ -71,11 +74,12 @@ def main() -> None:
         # with the memory budget the policies build it with, where that code has one
         budget = getattr(importlib.import_module(package + ".kv_events"), "DEFAULT_MAX_INDEX_BLOCKS", None)
         extra = {} if budget is None else {"max_blocks": budget}
-        index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=3.0, **extra)
+        index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=args.speculative_ttl,
+                                                                             **extra)
         fill(index, workers, owners, conv_pages, ps)
         if args.policy == "cost":
             return importlib.import_module(package + ".cost").Cost(index=index)
-        kv = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=3.0)
+        kv = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=args.speculative_ttl)
         kv.index.precise = kv.feed.index = index
         return kv
 
@@ -111,7 +115,8 @@ def main() -> None:
     print(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
     print(f"fleet: {args.workers} workers, ~{args.blocks:,} blocks, two indexes in one process "
           "(cache pressure makes both slower than decision_cost's one: compare the ratio); prompts "
-          f"{'built before timing' if args.prebuilt else 'built between decisions'}")
+          f"{'built before timing' if args.prebuilt else 'built between decisions'}; speculative entries live "
+          f"{args.speculative_ttl:g} s")
     print()
     print("| code | decisions | CPU median us | CPU p99 us |")
     print("|---|---|---|---|")

@@ -204,33 +204,51 @@ def test_hashes_that_disagree_with_their_tokens_only_mispredict(operations):
 
 
 def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tuple]:
-    """Every page's reported and speculative bits, found in the trie one page at a time
-    (no run compared whole, no shortcut for runs of one mask)."""
-    masks = []
+    """Every page's reported bits, found in the trie one page at a time (no run compared
+    whole, no shortcut for runs of one mask), then the live speculative entries: one whose
+    place the walk passed at page P, of a worker holding the first P pages on GPU, extends
+    that worker's pages on every tier to P plus the pages it shares with the prompt (compared
+    page by page), repeated until nothing changes (so their order does not matter)."""
+    masks, visits = [], {}  # visits: (run, offset) -> the page of the prompt the walk was at there
     run, at, width = index._roots.get((PS, None)), 0, 4 * PS
-    for start in range(0, len(tokens) - len(tokens) % PS, PS):
-        if run is None:
+    pages = [uint32_le(tokens[start:start + PS]) for start in range(0, len(tokens) - len(tokens) % PS, PS)]
+    while run is not None:
+        visits[(id(run), at)] = len(masks)
+        if len(masks) == len(pages):
             break
-        page = uint32_le(tokens[start:start + PS])
-        if not (at < len(run.masks) and bytes(run.key[at * width:(at + 1) * width]) == page):
+        page = pages[len(masks)]
+        if at < len(run.masks) and bytes(run.key[at * width:(at + 1) * width]) == page:
+            masks.append(run.masks[at])
+            at += 1
+        else:
             run, at = run.children.get(at, {}).get(page), 0
-            if run is None:
-                break
-        masks.append(run.masks[at] | (run.spec[at] if run.spec else 0))
-        at += 1
+    lens = {}
+    for url in URLS:
+        s = index._slots.get(url)
+        if s is not None:
+            lens[s] = [next((n for n in range(len(masks)) if not masks[n] >> (3 * s + t) & 1), len(masks))
+                       for t in range(3)]
+    live = [(visits[(id(r), tail[0])], tail) for _, r, tail in index._spec_queue
+            if any(t is tail for t in r.tails or ()) and (id(r), tail[0]) in visits]
+    changed = True
+    while changed:
+        changed = False
+        for p, (_, key, s) in live:
+            if s not in lens or lens[s][0] < p:
+                continue
+            k = 0
+            while (p + k < len(pages) and (k + 1) * width <= len(key)
+                   and bytes(key[k * width:(k + 1) * width]) == pages[p + k]):
+                k += 1
+            for t in range(3):
+                if lens[s][t] < p + k:
+                    lens[s][t], changed = p + k, True
     out = {}
     for url in URLS:
         s = index._slots.get(url)
-        if s is None:
-            continue
-        lens = []
-        for t in range(3):
-            n = 0
-            while n < len(masks) and masks[n] >> (3 * s + t) & 1:
-                n += 1
-            lens.append(n)
-        if lens[2]:
-            out[url] = (lens[0] * PS, (lens[1] - lens[0]) * PS, (lens[2] - lens[1]) * PS)
+        if s is not None and lens[s][2]:
+            g, h, a = lens[s]
+            out[url] = (g * PS, (h - g) * PS, (a - h) * PS)
     return out
 
 
@@ -239,9 +257,10 @@ def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tupl
                           st.integers(0, 3), seqs, st.integers(0, 3)), max_size=25),
        st.lists(seqs, min_size=1, max_size=4))
 def test_runs_match_as_a_page_by_page_read(operations, queries):
-    """Speculative pages grow runs and add children, stores confirm some, expiry and clears
-    trim them: matches (whole-run comparisons, one AND per uniform run) must equal a
-    page-by-page read of every page's bits."""
+    """Speculative entries hang on the trie, stores add and confirm pages, expiry and clears
+    take entries away: matches (whole-run comparisons, one AND per uniform run, one pass
+    over the entries on the path) must equal a page-by-page read of every page's bits and
+    every entry."""
     index = BlockIndex(default_page_size=PS, speculative_ttl_s=60)
     for i, (op, w, tokens, n) in enumerate(operations):
         if op == "record":
@@ -258,7 +277,7 @@ def test_runs_match_as_a_page_by_page_read(operations, queries):
         got = held_by(index.match(req(tokens, rid="q"), WORKERS), WORKERS)
         assert got == _walked_page_by_page(index, tokens)
     index.expire(now=10**12)
-    assert index.speculative_pages() == 0 and not any(index._spec_runs.values())
+    assert index.speculative_pages() == 0 and not index._spec_queue
     for url in URLS:
         index.clear_worker(url)
     assert not index._roots
@@ -371,6 +390,52 @@ def test_a_batch_joins_only_events_of_whole_pages():
     for index in (alone, batched):
         assert index.match(req(tokens), WORKERS).hits[URLS[0]].gpu == 6  # the third page through its hash
         assert index.stats()["index_hash_keyed_blocks"] == 2
+
+
+def test_a_speculative_entry_counts_only_while_its_worker_holds_the_pages_before_it():
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    tokens = list(range(4 * PS))
+    hashes = page_hashes(tokens, PS)
+    for url in URLS[:2]:
+        index.apply(url, BlockStored(hashes, None, tokens, PS))
+    follow = tokens + [7] * (2 * PS)
+    request = req(follow, rid="f")
+    index.match(request, WORKERS)
+    index.record(request, WORKERS[0])  # anchored after the 4 pages it reported
+    assert held_by(index.match(req(follow, rid="g"), WORKERS), WORKERS)[URLS[0]] == (6 * PS, 0, 0)
+    index.apply(URLS[0], BlockRemoved(hashes[2:]))  # its engine evicted two (URLS[1] keeps them in the trie)
+    assert held_by(index.match(req(follow, rid="h"), WORKERS), WORKERS) == {URLS[0]: (2 * PS, 0, 0),
+                                                                          URLS[1]: (4 * PS, 0, 0)}
+
+
+def test_speculative_entries_on_one_run_count_in_offset_order():
+    """An entry recorded later but anchored earlier can make an older one reachable again."""
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    tokens = list(range(6 * PS))
+    hashes = page_hashes(tokens, PS)
+    index.apply(URLS[1], BlockStored(hashes, None, tokens, PS))  # keeps all six pages in the trie
+    index.apply(URLS[0], BlockStored(hashes[:4], None, tokens[:4 * PS], PS))
+    index.match(req(tokens, rid="a"), WORKERS)
+    index.record(req(tokens, rid="a"), WORKERS[0])  # pages 4-5, anchored at 4
+    index.apply(URLS[0], BlockRemoved(hashes[2:4]))  # now it holds 2: the entry is out of reach
+    assert index.match(req(tokens, rid="b"), WORKERS).hits[URLS[0]].gpu == 2 * PS
+    index.match(req(tokens[:4 * PS], rid="c"), WORKERS)
+    index.record(req(tokens[:4 * PS], rid="c"), WORKERS[0])  # pages 2-3, anchored at 2
+    assert index.match(req(tokens, rid="d"), WORKERS).hits[URLS[0]].gpu == 6 * PS
+
+
+def test_a_worker_cleared_or_removed_loses_its_speculative_entries():
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    tokens = list(range(4 * PS))
+    index.record(req(tokens, rid="a"), WORKERS[0])
+    index.record(req(tokens, rid="b"), WORKERS[1])
+    index.clear_worker(URLS[0])  # AllBlocksCleared, or a reconnect
+    assert held_by(index.match(req(tokens, rid="c"), WORKERS), WORKERS) == {URLS[1]: (4 * PS, 0, 0)}
+    index.remove_worker(URLS[1])
+    newcomer = WorkerView("http://127.0.0.1:9999", server_info={"page_size": PS})
+    assert index.slot(newcomer.url) in (0, 1)  # a freed slot, reused
+    assert not index.match(req(tokens, rid="d"), [*WORKERS, newcomer]).hits
+    assert index.speculative_pages() == 0 and not index._roots
 
 
 def test_recording_pages_the_worker_holds_adds_nothing_to_the_trie():
