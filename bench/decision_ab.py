@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--speculative-ttl", type=float, default=3.0,
                     help="seconds a decision's speculative entry lives; below the run's length (~0.5) every "
                          "decision also expires about one entry, as in a gateway's steady state")
+    ap.add_argument("--chat", action="store_true",
+                    help="requests carry their text beside the token ids, as a chat request does once the "
+                         "gateway has rendered and tokenized it (default: ids only, as /generate)")
     args = ap.parse_args()
     ps, conv_pages, turns = 16, 250, 5
     rng = random.Random(args.seed)
@@ -77,11 +80,13 @@ def main() -> None:
         index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=args.speculative_ttl,
                                                                              **extra)
         fill(index, workers, owners, conv_pages, ps)
+        # as a gateway builds them: the precise index behind its text fallback, fed by KV events
         if args.policy == "cost":
-            return importlib.import_module(package + ".cost").Cost(index=index)
-        kv = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=args.speculative_ttl)
-        kv.index.precise = kv.feed.index = index
-        return kv
+            pol = importlib.import_module(package + ".cost").Cost(index="precise", speculative_ttl_s=args.speculative_ttl)
+        else:
+            pol = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=args.speculative_ttl)
+        pol.index.precise = pol.feed.index = index
+        return pol
 
     with tempfile.TemporaryDirectory() as tmp:
         ours, ref = policy("policies"), policy(load_ref(args.ref, Path(tmp)))
@@ -90,6 +95,10 @@ def main() -> None:
         tune_gc()
         clock = time.thread_time_ns
         times: dict[str, list[float]] = {"this tree": [], args.ref: []}
+
+        def text(tokens: list[int]) -> str | None:
+            """A stand-in for the rendered chat (~5 characters a token; a prefix stays one)."""
+            return " ".join(map(str, tokens)) if args.chat else None
 
         def next_turns():
             for _ in range(args.decisions):
@@ -100,8 +109,9 @@ def main() -> None:
         for i, (prev, nxt) in enumerate(list(next_turns()) if args.prebuilt else next_turns()):
             pair = [(ours, times["this tree"]), (ref, times[args.ref])]
             for pol, out in pair if i % 2 else pair[::-1]:
-                pol.select(RequestView(f"p{i}", "/generate", token_ids=prev), workers)  # the previous turn, untimed
-                request = RequestView(f"n{i}", "/generate", token_ids=nxt)
+                pol.select(RequestView(f"p{i}", "/generate", token_ids=prev, text=text(prev)),
+                           workers)  # the previous turn, untimed
+                request = RequestView(f"n{i}", "/generate", token_ids=nxt, text=text(nxt))
                 t0 = clock()
                 pol.select(request, workers)
                 out.append((clock() - t0) / 1000)
@@ -116,7 +126,7 @@ def main() -> None:
     print(f"fleet: {args.workers} workers, ~{args.blocks:,} blocks, two indexes in one process "
           "(cache pressure makes both slower than decision_cost's one: compare the ratio); prompts "
           f"{'built before timing' if args.prebuilt else 'built between decisions'}; speculative entries live "
-          f"{args.speculative_ttl:g} s")
+          f"{args.speculative_ttl:g} s; {'chat requests (text and ids)' if args.chat else 'ids only'}")
     print()
     print("| code | decisions | CPU median us | CPU p99 us |")
     print("|---|---|---|---|")

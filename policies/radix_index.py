@@ -44,11 +44,12 @@ class _Node:
 
 def _common_len(edge: str, key: str, pos: int) -> int:
     """Length of the common prefix of ``edge`` and ``key[pos:]`` by bisection on startswith
-    (log-many C calls instead of a Python loop per character)."""
+    (log-many C calls instead of a Python loop per character), each step slicing and
+    comparing only the characters past those known equal (~2 edge lengths in all)."""
     lo, hi = 0, min(len(edge), len(key) - pos)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if key.startswith(edge[:mid], pos):
+        if key.startswith(edge[lo:mid], pos + lo):
             lo = mid
         else:
             hi = mid - 1

@@ -247,6 +247,22 @@ def test_speculative_entries_cover_the_gap_before_events():
     assert policy.index.precise.match(req(prompt, "c"), ws).hits == {}
 
 
+def test_the_text_tree_learns_only_from_the_decisions_it_makes():
+    """A chat request carries its text beside its token ids: matched on the precise index,
+    its text stays out of the fallback tree (inserting it cost every decision ~21 us); a
+    request the tree routes is learned, so its follow-up keeps its worker."""
+    policy = KvEvents(speculative_ttl_s=30)
+    ws = [WorkerView(f"http://127.0.0.1:{31000 + i}", server_info=PUBLISHING) for i in range(3)]
+    text = "a long chat rendered by its template " * 20
+    policy.select(req(list(text.encode()), "a", text=text), ws)
+    policy.select(req(list((text + "!").encode()), "b", text=text + "!"), ws)
+    assert policy.stats()["approx_index_units"] == 0 and policy.stats()["fallback_requests_total"] == 0
+    first = policy.select(req(None, "c", text=text + "?"), ws)  # no ids (say its template failed)
+    assert policy.stats()["approx_index_units"] >= len(text) + 1  # (plus its namespace prefix)
+    second = policy.select(req(None, "d", text=text + "??"), ws)
+    assert second.worker.url == first.worker.url and second.reason == "prefix"
+
+
 def test_server_info_that_arrives_after_the_worker_is_picked_up():
     async def main():
         ctx = zmq.asyncio.Context()
