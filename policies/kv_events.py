@@ -4,7 +4,8 @@ Each worker's SGLang KV-event stream (``--kv-events-config``) feeds a precise bl
 (``policies.block_index`` via ``policies.kv_feed``), so matches reflect the engines' real
 radix caches, evictions and HiCache tiers instead of a guess. Requests need token ids to be
 hashed the way the engine does; those that arrive as text only are matched on an
-approximate text tree that learns from every decision (counted as fallbacks in stats).
+approximate text tree that learns from the decisions it makes (counted as fallbacks in
+stats; ``policies.fallback_index``).
 
 Options beyond ``cache_aware``'s: ``kv_endpoints`` (worker URL -> endpoint or
 ``{endpoint, replay_endpoint, topic}``; default: each worker's ``server_info["kv_events"]``),
