@@ -60,7 +60,11 @@ tier, if the worker holds the prefix up to the anchor. Adding one is a tuple and
 a list removal; as pages and bits in the trie they were a run to build (~15 us of a
 decision) and one to trim and detach at expiry (~24 us, cold), about one of each per
 decision. The entries of a run are kept in offset order, so one pass along the path sees
-every entry that an earlier one makes reachable.
+every entry that an earlier one makes reachable. An entry keeps its request's packed ids
+(4 bytes a token) alive until it expires: ~4 x routed prompt tokens per second x
+``speculative_ttl_s`` bytes, ~19 MB for 64 GPUs prefilling 25k tokens/s each. Entries do not
+count against ``max_blocks``: they say where requests were just routed, not what the engines
+reported, and expire on their own.
 """
 
 from __future__ import annotations
