@@ -28,8 +28,9 @@ is in tier <= t on that worker, so the positions where it loses bits give every 
 prefix length per tier. A run whose matched pages all carry one mask (the usual case: a
 conversation's pages are stored and evicted together) costs one AND; others are accumulated
 in C and bisected for the few positions where bits drop. A page held out of order (a hole
-from a lost event) ends the prefix there, as it would in the engine. Each worker's own raw tier bits per block hash live in its slot's dict (used for
-updates), and how many workers hold each hash decides when a block is forgotten.
+from a lost event) ends the prefix there, as it would in the engine. Each worker's own raw
+tier bits per block hash live in its slot's dict (used for updates), and how many workers
+hold each hash decides when a block is forgotten.
 
 Blocks whose parent the worker never reported are counted (``orphans``: a sign of lost
 events). Parent links themselves are not kept: the trie's runs are the chains, and a dict

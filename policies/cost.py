@@ -38,7 +38,8 @@ the work its predecessors just queued. A hit in a slower tier is worth
 ``index``: ``auto`` (default) matches on the precise KV-event index where the request has
 token ids and the workers publish KV events, else on the approximate text tree, which
 learns from the decisions it makes (``policies.fallback_index``); ``precise`` is the same
-but warns when it has to fall back; ``approx`` is the approximate tree alone (no ZMQ subscriptions).
+but warns when it has to fall back; ``approx`` is the approximate tree alone (no ZMQ
+subscriptions).
 
 Defaults are an 8B BF16 model on one H100: ~25k prefill tokens/s, 128 KiB of KV per token,
 so ~190k tokens/s over 25 GB/s PCIe from host memory and ~40k tokens/s from a Mooncake pool
