@@ -167,17 +167,21 @@ def main() -> None:
     mem_radix = rss_mib() - base
 
     # -- requests: the next turn of a random conversation ------------------------------
-    def turns(tag: str) -> list[tuple[RequestView, RequestView]]:
+    def turns(tag: str, chat: bool = False) -> list[tuple[RequestView, RequestView]]:
         """(previous turn, next turn) pairs: the next turn is the previous prompt plus an
-        answer and a new question (200 new tokens), as in a chat conversation."""
+        answer and a new question (200 new tokens), as in a chat conversation. ``chat``: each
+        request also carries a text, as a chat request does once the gateway has rendered and
+        tokenized it (a stand-in, ~5 characters a token, whose prefixes stay prefixes)."""
+        def view(rid: str, ids: list[int]) -> RequestView:
+            return RequestView(rid, "/generate", token_ids=ids, text=" ".join(map(str, ids)) if chat else None)
+
         out = []
         r = random.Random(args.seed + 99)
         for i in range(args.decisions):
             c = r.randrange(n_conv)
             prev = conversation(c, args.conv_pages, ps)[: r.randrange(1, args.turns + 1) * cut]
             nxt = prev + [r.randrange(32_000) for _ in range(200)]
-            out.append((RequestView(f"{tag}{i}p", "/generate", token_ids=prev),
-                        RequestView(f"{tag}{i}", "/generate", token_ids=nxt)))
+            out.append((view(f"{tag}{i}p", prev), view(f"{tag}{i}", nxt)))
         return out
 
     def timed_turns(fn, tag: str, *, warm: bool = True, pairs=None) -> tuple[list[float], list[float]]:
@@ -253,6 +257,9 @@ def main() -> None:
     results.append(row(f"kv_events select, next turn, each decision expiring the speculative entries of one "
                        f"{LAG} decisions back (steady state)", steady_turns(kv.select, "e")))
     precise.expire(now=float("inf"))  # the rows below start without entries waiting to expire
+    results.append(row("kv_events select, next turn, chat request (its text beside the ids)",
+                       timed_turns(kv.select, "t", pairs=turns("t", chat=True))))
+    precise.expire(now=float("inf"))
     results += pool_split("cost select, precise index, next turn", timed_turns(cost_precise.select, "c"), "c")
     precise.expire(now=float("inf"))
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
