@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decision_cost import conversation, fill, fleet  # noqa: E402
+from bench.decision_cost import chat_text, conversation, fill, fleet  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import RequestView  # noqa: E402
@@ -97,8 +97,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"this tree": [], args.ref: []}
 
         def text(tokens: list[int]) -> str | None:
-            """A stand-in for the rendered chat (~5 characters a token; a prefix stays one)."""
-            return " ".join(map(str, tokens)) if args.chat else None
+            return chat_text(tokens) if args.chat else None
 
         def next_turns():
             for _ in range(args.decisions):

@@ -61,6 +61,12 @@ def conversation(seed: int, pages: int, page_size: int) -> list[int]:
     return [rng.randrange(32_000) for _ in range(pages * page_size)]
 
 
+def chat_text(token_ids: list[int]) -> str:
+    """A stand-in for the text of a chat request the gateway rendered and tokenized (~5
+    characters a token; the text of a prefix is a prefix of the text)."""
+    return " ".join(map(str, token_ids))
+
+
 def fleet(n: int, page_size: int, conversations: int, rng: random.Random
           ) -> tuple[list[WorkerView], dict[int, list[int]]]:
     """``n`` workers, and for each conversation the 1-3 of them holding it. Every worker names
@@ -171,9 +177,9 @@ def main() -> None:
         """(previous turn, next turn) pairs: the next turn is the previous prompt plus an
         answer and a new question (200 new tokens), as in a chat conversation. ``chat``: each
         request also carries a text, as a chat request does once the gateway has rendered and
-        tokenized it (a stand-in, ~5 characters a token, whose prefixes stay prefixes)."""
+        tokenized it (``chat_text``)."""
         def view(rid: str, ids: list[int]) -> RequestView:
-            return RequestView(rid, "/generate", token_ids=ids, text=" ".join(map(str, ids)) if chat else None)
+            return RequestView(rid, "/generate", token_ids=ids, text=chat_text(ids) if chat else None)
 
         out = []
         r = random.Random(args.seed + 99)
