@@ -28,9 +28,9 @@ is in tier <= t on that worker, so the positions where it loses bits give every 
 prefix length per tier. A run whose matched pages all carry one mask (the usual case: a
 conversation's pages are stored and evicted together) costs one AND; others are accumulated
 in C and bisected for the few positions where bits drop. A page held out of order (a hole
-from a lost event) ends the prefix there, as it would in the engine. Each worker's own raw
-tier bits per block hash live in its slot's dict (used for updates), and how many workers
-hold each hash decides when a block is forgotten.
+from a lost event, an expiring speculative entry) ends the prefix there, as it would in the
+engine. Each worker's own raw tier bits per block hash live in its slot's dict (used for
+updates), and how many workers hold each hash decides when a block is forgotten.
 
 Blocks whose parent the worker never reported are counted (``orphans``: a sign of lost
 events). Parent links themselves are not kept: the trie's runs are the chains, and a dict
@@ -52,35 +52,24 @@ once (the pages leave the trie), and once the index has forgotten anything, chai
 under a parent it does not know are dropped rather than kept by hash (``_drop_orphan``).
 
 Speculative entries cover the time between routing a request and the engine's
-``BlockStored`` arriving: ``record`` says the worker holds the request's pages on GPU, from
-where it was known to hold them, for ``speculative_ttl_s`` seconds. An entry is one tuple
-hung on the trie where those pages start (``Run.tails``: the offset, the pages as a view of
-the request's packed ids, the slot), not pages in the trie: a match meeting the anchor
-compares the entry's pages with its prompt in C and extends that worker's prefix on every
-tier, if the worker holds the prefix up to the anchor. Adding one is a tuple and expiring one
-a list removal; as pages and bits in the trie they were a run to build (~15 us of a
-decision) and one to trim and detach at expiry (~24 us, cold), about one of each per
-decision. The entries of a run are kept in offset order, so one pass along the path sees
-every entry that an earlier one makes reachable. An entry keeps its request's packed ids
-(4 bytes a token) alive until it expires: ~4 x routed prompt tokens per second x
-``speculative_ttl_s`` bytes, ~19 MB for 64 GPUs prefilling 25k tokens/s each. Entries do not
-count against ``max_blocks``: they say where requests were just routed, not what the engines
-reported, and expire on their own.
+``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
+known to hold as on its GPU for ``speculative_ttl_s`` seconds, adding the pages to the trie
+if they are new (one append or one new run); expiry clears them and trims what no block
+names.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from bisect import insort
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate, chain as chained, filterfalse, repeat, takewhile
-from operator import and_, attrgetter, itemgetter, or_
+from operator import and_, attrgetter, or_
 
 from policies.base import RequestView, WorkerView
 from policies.page_hash_cache import PageHashCache
-from policies.page_trie import Path, Run, Tail, common_pages, detach, grow, step, trim, walk
+from policies.page_trie import Path, Run, detach, grow, step, trim, walk
 from policies.prefix_index import IndexMatch, Tiers, Unit
 from wire.hashing import page_hashes, uint32_le
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
@@ -91,7 +80,6 @@ TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
 # Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
 _CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
 _url = attrgetter("url")
-_offset = itemgetter(0)
 Place = tuple[Run, int]
 
 
@@ -133,6 +121,17 @@ def _name(run: Run, i: int, h: int) -> None:
         run.names[i] = [names, h]
 
 
+def _combine(values: list[int], a: int, b: int, op, bits: int) -> None:
+    """``values[a:b] = op(value, bits)`` for each, in C; values that were all equal end as
+    one shared object (see ``_set_mask``)."""
+    if a >= b:
+        return
+    if values[a:b].count(values[a]) == b - a:
+        values[a:b] = repeat(op(values[a], bits), b - a)
+    else:
+        values[a:b] = map(op, values[a:b], repeat(bits))
+
+
 def _head(values: list[int], n: int) -> list[int]:
     return values if n == len(values) else values[:n]
 
@@ -167,6 +166,12 @@ def _held_pages(masks: Iterable[int], wanted: int) -> dict[int, int]:
     return pages
 
 
+def _path_masks(run: Run, n: int) -> list[int]:
+    """The first ``n`` pages' masks with their speculative bits."""
+    masks = _head(run.masks, n)
+    return masks if run.spec is None else list(map(or_, masks, run.spec))
+
+
 def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
     """``_held_pages`` over a trie path, one AND per run whose pages share one mask."""
     pages: dict[int, int] = {}
@@ -174,7 +179,14 @@ def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
     for run, n in path:
         masks = _head(run.masks, n)
         first = masks[0]
-        if masks.count(first) == n:
+        uniform = masks.count(first) == n
+        if run.spec is not None:  # its speculative bits: one more OR if uniform too
+            spec = _head(run.spec, n)
+            if uniform and spec.count(spec[0]) == n:
+                first |= spec[0]
+            else:
+                uniform, masks = False, list(map(or_, masks, spec))
+        if uniform:
             new = acc & first
             if new != acc and pos:  # (bits lost on the first page are misses: not recorded)
                 for b in _bit_indexes(acc & ~new):
@@ -195,31 +207,6 @@ def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
     for b in _bit_indexes(acc):
         pages[b] = pos
     return pages
-
-
-def _apply_tails(prompt: bytes, root: Run | None, path: Path, width: int, wanted: int,
-                 pages: dict[int, int]) -> None:
-    """Extend ``pages`` (bit -> leading pages, as ``_held_on_path`` gives) by the speculative
-    entries anchored on the path: an entry of a candidate that holds the path up to its
-    anchor on GPU adds the pages it shares with the prompt, on every tier. The root comes
-    first even where the path does not take a page of it (a prompt new to the trie)."""
-    visits = path if root is None or (path and path[0][0] is root) else [(root, 0), *path]
-    pos = 0
-    for run, n in visits:
-        tails = run.tails
-        if tails:
-            for at, key, s in tails:
-                if at > n:
-                    break  # (in offset order)
-                b = 3 * s
-                anchor = pos + at
-                if not wanted >> b & 1 or pages.get(b, 0) < anchor:
-                    continue
-                reach = anchor + common_pages(prompt, anchor * width, key, width)
-                for t in (b, b + 1, b + 2):
-                    if pages.get(t, 0) < reach:
-                        pages[t] = reach
-        pos += n
 
 
 def _pooled_on_path(path: Path) -> int:
@@ -264,8 +251,9 @@ class BlockIndex:
         self._cumulative: list[list[int]] = []  # per slot: _CUMULATIVE shifted into place
         self._free: list[int] = []
         self._page_size: dict[str, int] = {}
+        self._spec_runs: dict[int, set[Run]] = {}  # slot -> runs holding its speculative bits
         self._dirty: set[Run] = set()  # runs with pages no hash names any more, to trim
-        self._spec_queue: deque[tuple[float, Run, Tail]] = deque()  # (expiry, anchor, entry), oldest first
+        self._spec_queue: deque[tuple[float, int, list[tuple[Run, int, int]]]] = deque()
         self._last_prompt: list = [None, None, {}, None]  # [tokens, packed, SHA chains, salt]
         self.chains = PageHashCache()
         self._last_match: tuple[str, IndexMatch] | None = None
@@ -333,14 +321,16 @@ class BlockIndex:
             self._set_bits(h, keep, 0)
             self._unhold(h)
         self._trim_dirty()
-        if any(tail[2] == s for _, _, tail in self._spec_queue):  # its speculative entries go too
-            kept: deque[tuple[float, Run, Tail]] = deque()
-            for entry in self._spec_queue:
-                if entry[2][2] == s:
-                    self._drop_tail(entry[1], entry[2])
-                else:
-                    kept.append(entry)
-            self._spec_queue = kept
+        for run in self._spec_runs.pop(s, ()):
+            if run.until is None or run.until.pop(s, None) is None:
+                continue
+            if not run.until:
+                run.until = None
+            if run.spec is not None:
+                _combine(run.spec, 0, len(run.spec), and_, keep)
+                if not any(run.spec):
+                    run.spec = None
+            trim(run, self._roots, self._lru)
 
     def _set_bits(self, h: int, keep: int, bits: int) -> None:
         """Block ``h``'s mask becomes ``(mask & keep) | bits``, on its page or, without one,
@@ -632,7 +622,10 @@ class BlockIndex:
                 self._forget(h, masks[i])
                 gone += 1
         self.evicted += gone
-        run.truncate(i)  # (with the speculative entries anchored past it: their expiry finds nothing)
+        run.truncate(i)
+        for s, times in list((run.until or {}).items()):  # queued expiries find nothing left
+            if not any(times):
+                self._spec_done(run, s)
         if i > start:
             return gone
         if run.children:
@@ -642,6 +635,13 @@ class BlockIndex:
             if parent is not None:
                 trim(parent, self._roots, self._lru)
         return gone
+
+    def _spec_done(self, run: Run, s: int) -> None:
+        """Slot ``s`` has no speculative page left on ``run``."""
+        del run.until[s]  # type: ignore[index]
+        self._spec_runs.get(s, set()).discard(run)
+        if not run.until:
+            run.until = None
 
     def _forget(self, h: int, mask: int) -> None:
         """Block ``h`` leaves the index for every worker (``mask``: who holds it)."""
@@ -762,10 +762,10 @@ class BlockIndex:
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
         for ps, wanted, urls, members in self._candidates(workers):
-            packed, path, _, _ = self._walk(request, ps)
+            _, path, _, _ = self._walk(request, ps)
             if self._by_hash:  # some blocks are known by hash only: page by page, with their SHA chain
                 hashes = self.hashes_for(request, ps)
-                on_path = chained(chained.from_iterable(_head(r.masks, n) for r, n in path), repeat(0))
+                on_path = chained(chained.from_iterable(_path_masks(r, n) for r, n in path), repeat(0))
                 pages = _held_pages(map(or_, on_path, map(self._hashed.get, hashes, repeat(0))), wanted)
                 flags = chained(chained.from_iterable(r.pooled[:n] if r.pooled else bytes(n) for r, n in path),
                                 repeat(0))
@@ -773,9 +773,7 @@ class BlockIndex:
             elif path:
                 pages, pooled = _held_on_path(path, wanted), _pooled_on_path(path)
             else:
-                pages, pooled = {}, 0
-            if self._spec_queue:
-                _apply_tails(packed, self._roots.get((ps, request.cache_salt or None)), path, 4 * ps, wanted, pages)
+                continue
             hits = result.hits
             for b, a in pages.items():
                 if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
@@ -816,55 +814,79 @@ class BlockIndex:
             skip = last[1].get(worker.url).gpu // ps
         if skip >= pages:
             return
+        ranges: list[tuple[Run, int, int]] = []
         done = 0
-        for run, n in path:  # the entry starts where the worker's pages end: on the path ...
+        for run, n in path:
             if skip < done + n:
-                anchor, at, start = run, skip - done, skip
-                break
+                ranges.append((run, max(0, skip - done), n))
             done += n
-        else:  # ... or where the walk stopped (on the root of a prompt new to the trie)
+        if done < pages:
             if end is None:
                 end, at = self._root(ps, request.cache_salt or None), 0
-                self._epoch += 1
-            anchor, start = end, done
-        tail = (at, memoryview(packed)[start * width: pages * width], s)
-        if anchor.tails is None:
-            anchor.tails = [tail]
-        else:
-            insort(anchor.tails, tail, key=_offset)
-        self._spec_queue.append((time.monotonic() + self.speculative_ttl_s, anchor, tail))
-
-    def _drop_tail(self, run: Run, tail: Tail) -> None:
-        """Take one speculative entry off ``run``, if it is still there (eviction drops the
-        ones anchored in the pages it takes)."""
-        tails = run.tails
-        if tails is None:
-            return
-        for i, t in enumerate(tails):
-            if t is tail:
-                del tails[i]
-                break
-        if not tails:
-            run.tails = None
-            if not run.masks and not run.children:  # a root made for speculative entries only
-                self._epoch += 1
-                trim(run, self._roots, self._lru)
+            # (not put in the eviction order: pages no block names yet do not count against the
+            # budget, and expire on their own; a store that names them puts their run in it)
+            run, first = grow(end, at, packed[done * width: pages * width])
+            ranges.append((run, first + max(0, skip - done), first + pages - done))
+        self._epoch += 1
+        until = time.monotonic() + self.speculative_ttl_s
+        bits = 7 << (3 * s)
+        runs = self._spec_runs.setdefault(s, set())
+        for run, a, b in ranges:
+            if a >= b:
+                continue
+            if run.spec is None and run.until is None and not a and b == len(run.masks):  # new pages, grown above
+                run.spec, run.until = [bits] * b, {s: [until] * b}
+                runs.add(run)
+                continue
+            _combine(run.spec_list(), a, b, or_, bits)
+            if run.until is None:
+                run.until = {}
+            times = run.until.get(s)
+            if times is None:
+                times = run.until[s] = [0.0] * b
+            elif len(times) < b:
+                times.extend(repeat(0.0, b - len(times)))
+            times[a:b] = repeat(until, b - a)
+            runs.add(run)
+        self._spec_queue.append((until, s, ranges))
 
     def expire(self, now: float | None = None, limit: int | None = None) -> None:
         now = time.monotonic() if now is None else now
         q = self._spec_queue
         while q and q[0][0] <= now and limit != 0:
             limit = None if limit is None else limit - 1
-            _, run, tail = q.popleft()
-            self._drop_tail(run, tail)
+            until, s, ranges = q.popleft()
+            self._epoch += 1
+            clear = ~(7 << (3 * s))
+            for run, a, b in ranges:
+                times = run.until.get(s) if run.until else None
+                spec = run.spec
+                if times is None or spec is None:
+                    continue  # the worker was cleared since
+                b = min(b, len(times), len(spec))
+                if a >= b:
+                    continue
+                if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
+                    _combine(spec, a, b, and_, clear)
+                    times[a:b] = repeat(0.0, b - a)
+                else:
+                    for i in range(a, b):
+                        if times[i] == until:
+                            times[i] = 0.0
+                            spec[i] &= clear
+                if not any(times):
+                    self._spec_done(run, s)
+                if not any(spec):
+                    run.spec = None
+                trim(run, self._roots, self._lru)
 
     def maintain(self, now: float | None = None) -> None:
         self.expire(now)
 
     def speculative_pages(self) -> int:
-        """Pages in live speculative entries (counted, for stats and tests)."""
-        return sum(len(tail[1]) // run.width for _, run, tail in self._spec_queue
-                   if any(t is tail for t in run.tails or ()))
+        """Pages carrying some worker's speculative bits (counted, for stats and tests)."""
+        runs = set().union(*self._spec_runs.values()) if self._spec_runs else set()
+        return sum(len(r.spec) - r.spec.count(0) for r in runs if r.spec is not None)
 
     def stats(self) -> Mapping[str, float]:
         return {

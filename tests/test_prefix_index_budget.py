@@ -151,31 +151,16 @@ def test_blocks_kept_by_hash_are_evicted_before_placed_ones():
     assert prefix(index, [5] * 8) == {URLS[0]: (8, 0, 0)} and set(index._where) == set(placed)
 
 
-def test_speculative_entries_outlive_evicted_blocks_unless_anchored_in_them():
-    """An entry says where a request was just routed, not what an engine reported, and does
-    not count against the budget: anchored before the pages the budget takes it stands until
-    it expires; anchored in them it goes with them (nothing can reach its place)."""
+def test_speculative_entries_on_an_evicted_run_expire_quietly():
     index = BlockIndex(speculative_ttl_s=5.0, max_blocks=4)
     tokens = [9] * 8
     index.match(req(tokens, rid="x"), WORKERS)
-    index.record(req(tokens, rid="x"), WORKERS[0])  # new to the trie: anchored on the root
+    index.record(req(tokens, rid="x"), WORKERS[0])  # pages known only speculatively
     assert index.speculative_pages() == 4
-    store(index, URLS[1], tokens)  # the same pages, reported
-    store(index, URLS[2], [8] * 8)  # over the budget: the older pages go, for URLS[1]
-    assert prefix(index, tokens) == {URLS[0]: (8, 0, 0)}  # the entry stands
-    index.expire(now=float("inf"))
+    store(index, URLS[1], tokens)  # the same pages, reported: the run now has names
+    store(index, URLS[2], [8] * 8)  # over the budget: the older run goes, speculative bits too
     assert prefix(index, tokens) == {} and index.speculative_pages() == 0
-    assert prefix(index, [8] * 8) == {URLS[2]: (8, 0, 0)}
-
-    index = BlockIndex(speculative_ttl_s=5.0, max_blocks=4)
-    store(index, URLS[1], tokens)
-    longer = tokens + [7] * 4
-    index.match(req(longer, rid="y"), WORKERS)
-    index.record(req(longer, rid="y"), WORKERS[1])  # anchored past the 4 pages URLS[1] holds
-    assert prefix(index, longer) == {URLS[1]: (12, 0, 0)} and index.speculative_pages() == 2
-    store(index, URLS[2], [8] * 8)  # over the budget: the 4 pages go, and the entry with them
-    assert prefix(index, longer) == {} and index.speculative_pages() == 0
-    index.expire(now=float("inf"))  # finds nothing left
+    index.expire(now=float("inf"))
     assert prefix(index, [8] * 8) == {URLS[2]: (8, 0, 0)}
 
 

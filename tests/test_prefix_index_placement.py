@@ -204,51 +204,33 @@ def test_hashes_that_disagree_with_their_tokens_only_mispredict(operations):
 
 
 def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tuple]:
-    """Every page's reported bits, found in the trie one page at a time (no run compared
-    whole, no shortcut for runs of one mask), then the live speculative entries: one whose
-    place the walk passed at page P, of a worker holding the first P pages on GPU, extends
-    that worker's pages on every tier to P plus the pages it shares with the prompt (compared
-    page by page), repeated until nothing changes (so their order does not matter)."""
-    masks, visits = [], {}  # visits: (run, offset) -> the page of the prompt the walk was at there
+    """Every page's reported and speculative bits, found in the trie one page at a time
+    (no run compared whole, no shortcut for runs of one mask)."""
+    masks = []
     run, at, width = index._roots.get((PS, None)), 0, 4 * PS
-    pages = [uint32_le(tokens[start:start + PS]) for start in range(0, len(tokens) - len(tokens) % PS, PS)]
-    while run is not None:
-        visits[(id(run), at)] = len(masks)
-        if len(masks) == len(pages):
+    for start in range(0, len(tokens) - len(tokens) % PS, PS):
+        if run is None:
             break
-        page = pages[len(masks)]
-        if at < len(run.masks) and bytes(run.key[at * width:(at + 1) * width]) == page:
-            masks.append(run.masks[at])
-            at += 1
-        else:
+        page = uint32_le(tokens[start:start + PS])
+        if not (at < len(run.masks) and bytes(run.key[at * width:(at + 1) * width]) == page):
             run, at = run.children.get(at, {}).get(page), 0
-    lens = {}
-    for url in URLS:
-        s = index._slots.get(url)
-        if s is not None:
-            lens[s] = [next((n for n in range(len(masks)) if not masks[n] >> (3 * s + t) & 1), len(masks))
-                       for t in range(3)]
-    live = [(visits[(id(r), tail[0])], tail) for _, r, tail in index._spec_queue
-            if any(t is tail for t in r.tails or ()) and (id(r), tail[0]) in visits]
-    changed = True
-    while changed:
-        changed = False
-        for p, (_, key, s) in live:
-            if s not in lens or lens[s][0] < p:
-                continue
-            k = 0
-            while (p + k < len(pages) and (k + 1) * width <= len(key)
-                   and bytes(key[k * width:(k + 1) * width]) == pages[p + k]):
-                k += 1
-            for t in range(3):
-                if lens[s][t] < p + k:
-                    lens[s][t], changed = p + k, True
+            if run is None:
+                break
+        masks.append(run.masks[at] | (run.spec[at] if run.spec else 0))
+        at += 1
     out = {}
     for url in URLS:
         s = index._slots.get(url)
-        if s is not None and lens[s][2]:
-            g, h, a = lens[s]
-            out[url] = (g * PS, (h - g) * PS, (a - h) * PS)
+        if s is None:
+            continue
+        lens = []
+        for t in range(3):
+            n = 0
+            while n < len(masks) and masks[n] >> (3 * s + t) & 1:
+                n += 1
+            lens.append(n)
+        if lens[2]:
+            out[url] = (lens[0] * PS, (lens[1] - lens[0]) * PS, (lens[2] - lens[1]) * PS)
     return out
 
 
@@ -257,10 +239,9 @@ def _walked_page_by_page(index: BlockIndex, tokens: list[int]) -> dict[str, tupl
                           st.integers(0, 3), seqs, st.integers(0, 3)), max_size=25),
        st.lists(seqs, min_size=1, max_size=4))
 def test_runs_match_as_a_page_by_page_read(operations, queries):
-    """Speculative entries hang on the trie, stores add and confirm pages, expiry and clears
-    take entries away: matches (whole-run comparisons, one AND per uniform run, one pass
-    over the entries on the path) must equal a page-by-page read of every page's bits and
-    every entry."""
+    """Speculative pages grow runs and add children, stores confirm some, expiry and clears
+    trim them: matches (whole-run comparisons, one AND per uniform run) must equal a
+    page-by-page read of every page's bits."""
     index = BlockIndex(default_page_size=PS, speculative_ttl_s=60)
     for i, (op, w, tokens, n) in enumerate(operations):
         if op == "record":
@@ -277,7 +258,7 @@ def test_runs_match_as_a_page_by_page_read(operations, queries):
         got = held_by(index.match(req(tokens, rid="q"), WORKERS), WORKERS)
         assert got == _walked_page_by_page(index, tokens)
     index.expire(now=10**12)
-    assert index.speculative_pages() == 0 and not index._spec_queue
+    assert index.speculative_pages() == 0 and not any(index._spec_runs.values())
     for url in URLS:
         index.clear_worker(url)
     assert not index._roots
