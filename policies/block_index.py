@@ -172,10 +172,16 @@ def _path_masks(run: Run, n: int) -> list[int]:
     return masks if run.spec is None else list(map(or_, masks, run.spec))
 
 
-def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
-    """``_held_pages`` over a trie path, one AND per run whose pages share one mask."""
+def _held_on_path(path: Path, wanted: int) -> tuple[dict[int, int], int]:
+    """``_held_pages`` over a trie path, one AND per run whose pages share one mask, and the
+    floor: the leading pages every candidate holds on GPU, where the first bit drops. Bits
+    that drop there are left out of ``pages`` (their count is the floor), so a prefix every
+    worker holds (a system prompt on the whole fleet) costs one number instead of an entry
+    per worker and tier (~190 bits at 64 workers, ~40 us of a match in Python)."""
     pages: dict[int, int] = {}
-    acc, pos = wanted, 0
+    if not wanted:
+        return pages, 0
+    acc, pos, floor = wanted, 0, -1  # (-1: no bit has dropped yet)
     for run, n in path:
         masks = _head(run.masks, n)
         first = masks[0]
@@ -188,25 +194,38 @@ def _held_on_path(path: Path, wanted: int) -> dict[int, int]:
                 uniform, masks = False, list(map(or_, masks, spec))
         if uniform:
             new = acc & first
-            if new != acc and pos:  # (bits lost on the first page are misses: not recorded)
-                for b in _bit_indexes(acc & ~new):
-                    pages[b] = pos
+            if new != acc:
+                if floor < 0:
+                    floor = pos
+                else:  # (past the floor, so past the first page)
+                    for b in _bit_indexes(acc & ~new):
+                        pages[b] = pos
             acc = new
         else:
             running = list(takewhile(bool, accumulate(masks, and_, initial=acc)))
-            _drops(running, pos, pages)
-            if len(running) <= n:  # some page held by no candidate left
-                if pos + len(running) > 1:
+            if floor >= 0:
+                _drops(running, pos, pages)
+            elif running[-1] != acc:  # the first drop is in this run: after its leading equal ANDs
+                f = running.count(acc) - 1
+                floor = pos + f
+                _drops(running[f + 1:], floor + 1, pages)
+            if len(running) <= n:  # some page held by no candidate left: the rest stop here
+                stop = pos + len(running) - 1
+                if floor < 0:
+                    floor = stop
+                elif stop:  # (bits no page kept are misses: not recorded)
                     for b in _bit_indexes(running[-1]):
-                        pages[b] = pos + len(running) - 1
-                return pages
+                        pages[b] = stop
+                return pages, floor
             acc = running[-1]
         if not acc:
-            return pages
+            return pages, floor
         pos += n
+    if floor < 0:  # every candidate holds the whole path
+        return pages, pos
     for b in _bit_indexes(acc):
         pages[b] = pos
-    return pages
+    return pages, floor
 
 
 def _pooled_on_path(path: Path) -> int:
@@ -731,9 +750,9 @@ class BlockIndex:
         self._last_walk = (request.request_id, page_size, self._epoch, got)
         return got
 
-    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str], frozenset[str]]]:
-        """(page size, mask of the candidates' bits, their urls as a list and a set) groups,
-        cached per worker set."""
+    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str], frozenset[str], bool]]:
+        """(page size, mask of the candidates' bits, their urls as a list and a set, whether
+        the index knows all of them) groups, cached per worker set."""
         last = self._last_candidates
         # Usually the same worker objects as last time: the list compares them by identity, in C.
         if last[0] == self._version and workers == last[1]:
@@ -743,15 +762,15 @@ class BlockIndex:
         if got is not None and got[0] == self._version:
             self._last_candidates = (self._version, list(workers), got[1])
             return got[1]
-        groups: dict[int, tuple[int, list[str]]] = {}
+        groups: dict[int, tuple[int, list[str], bool]] = {}
         for w in workers:  # a worker the index has not heard of yet holds nothing, but can load the pool
             s = self._slots.get(w.url)
             ps = self.page_size_of(w)
-            mask, urls = groups.get(ps, (0, []))
-            groups[ps] = (mask if s is None else mask | (7 << (3 * s)), urls + [w.url])
+            mask, urls, known = groups.get(ps, (0, [], True))
+            groups[ps] = (mask if s is None else mask | (7 << (3 * s)), urls + [w.url], known and s is not None)
         if len(self._groups) > 256:
             self._groups.clear()
-        self._groups[key] = (self._version, [(ps, m, u, frozenset(u)) for ps, (m, u) in groups.items()])
+        self._groups[key] = (self._version, [(ps, m, u, frozenset(u), k) for ps, (m, u, k) in groups.items()])
         self._last_candidates = (self._version, list(workers), self._groups[key][1])
         return self._groups[key][1]
 
@@ -761,8 +780,9 @@ class BlockIndex:
             return result
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
-        for ps, wanted, urls, members in self._candidates(workers):
+        for ps, wanted, urls, members, known in self._candidates(workers):
             _, path, _, _ = self._walk(request, ps)
+            floor = 0
             if self._by_hash:  # some blocks are known by hash only: page by page, with their SHA chain
                 hashes = self.hashes_for(request, ps)
                 on_path = chained(chained.from_iterable(_path_masks(r, n) for r, n in path), repeat(0))
@@ -771,31 +791,38 @@ class BlockIndex:
                                 repeat(0))
                 pooled = len(list(takewhile(bool, map(or_, flags, map(self.pool.__contains__, hashes)))))
             elif path:
-                pages, pooled = _held_on_path(path, wanted), _pooled_on_path(path)
+                (pages, floor), pooled = _held_on_path(path, wanted), _pooled_on_path(path)
             else:
                 continue
             hits = result.hits
             for b, a in pages.items():
-                if b % 3 == 2:  # the "any tier" bit: one entry per worker holding the prefix
-                    g, h = pages.get(b - 2, 0), pages.get(b - 1, 0)
+                if b % 3 == 2:  # the "any tier" bit: one entry per worker holding more than the floor
+                    g, h = pages.get(b - 2, floor), pages.get(b - 1, floor)
                     hits[self._urls[b // 3]] = Tiers(g * ps, (h - g) * ps, (a - h) * ps)
-            if pooled:
-                self._extend_through_pool(pooled * ps, urls, members, result, len(workers))
+            if floor and not known:  # workers the index never heard of hold nothing: list the others
+                at_floor = Tiers(floor * ps, 0, 0)
+                hits.update((u, at_floor) for u in urls if u not in hits and u in self._slots)
+                floor = 0
+            if floor or pooled:
+                self._extend_to_all(floor * ps, pooled * ps, urls, members, result, len(workers))
         self._last_match = (request.request_id, result)
         return result
 
     @staticmethod
-    def _extend_through_pool(pooled: int, urls: list[str], members: frozenset[str], result: IndexMatch,
-                             candidates: int) -> None:
-        """Any worker can load the shared pool's leading pages past what it holds itself."""
+    def _extend_to_all(held: int, pooled: int, urls: list[str], members: frozenset[str], result: IndexMatch,
+                       candidates: int) -> None:
+        """What every worker of the group reuses: the leading tokens all of them hold on GPU
+        (``held``), then the shared pool's leading tokens past what each holds itself."""
         hits = result.hits
-        for url, t in list(hits.items()):  # the few workers holding some of it themselves
-            if pooled > t.total and url in members:
-                hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
+        if pooled > held:
+            for url, t in list(hits.items()):  # the few workers holding more themselves
+                if pooled > t.total and url in members:
+                    hits[url] = Tiers(t.gpu, t.host, pooled - t.gpu - t.host)
+        base = Tiers(held, 0, max(pooled - held, 0))
         if len(urls) == candidates:  # every candidate is in this group: one entry says it
-            result.everyone = Tiers(0, 0, pooled)
+            result.everyone = base
         else:  # page sizes differ: only this group's
-            hits.update(zip(filterfalse(hits.__contains__, urls), repeat(Tiers(0, 0, pooled))))
+            hits.update(zip(filterfalse(hits.__contains__, urls), repeat(base)))
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         if request.token_ids is None or self.speculative_ttl_s <= 0:

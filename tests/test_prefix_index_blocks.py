@@ -207,4 +207,4 @@ def test_page_size_comes_from_the_events_when_server_info_lacks_it():
     assert index.page_size_of(worker) == 1
     index.apply(URLS[0], BlockStored(page_hashes(tokens, 8), None, tokens, 8))
     assert index.page_size_of(worker) == 8
-    assert index.match(req(tokens), [worker]).hits[URLS[0]].gpu == 16
+    assert index.match(req(tokens), [worker]).get(URLS[0]).gpu == 16
