@@ -27,7 +27,10 @@ AND-accumulated: bit ``3*slot+t`` of the running AND is set exactly while every 
 is in tier <= t on that worker, so the positions where it loses bits give every worker's
 prefix length per tier. A run whose matched pages all carry one mask (the usual case: a
 conversation's pages are stored and evicted together) costs one AND; others are accumulated
-in C and bisected for the few positions where bits drop. A page held out of order (a hole
+in C and bisected for the few positions where bits drop. The pages every candidate holds on
+GPU (up to the first bit that drops: a system prompt on the whole fleet) are one number,
+``IndexMatch.everyone``, and only workers holding more are listed: listing all 64 cost ~75
+us of a match through such a prefix. A page held out of order (a hole
 from a lost event, an expiring speculative entry) ends the prefix there, as it would in the
 engine. Each worker's own raw tier bits per block hash live in its slot's dict (used for
 updates), and how many workers hold each hash decides when a block is forgotten.

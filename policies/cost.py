@@ -130,7 +130,7 @@ class _Backlogs:
     # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off)): the workers
     # to price with a hit, which with a prompt in the shared pool are those holding more
     # than ``everyone`` and the few others that could be the cheapest (see ``_backlogs``)
-    everyone: Tiers = NO_HIT  # what any worker can load (the shared pool's leading pages)
+    everyone: Tiers = NO_HIT  # what any worker reuses (the pool's leading pages, a prefix all hold)
     rows: tuple[list[str], list[float], list[float], list[float], list[float]] | None = None
     # (urls, waits, decode, KV, capacity) of every worker, to price ``everyone`` anywhere
 

@@ -43,8 +43,10 @@ NO_HIT = Tiers()
 class IndexMatch:
     """Per-worker prefixes of one request. ``everyone`` is what every candidate can reuse
     whether ``hits`` lists it or not: the shared pool's leading pages, which any engine
-    attached to the pool loads. ``hits`` then lists only the workers that hold more, so
-    a prompt in the pool costs the few workers holding it rather than the whole fleet."""
+    attached to the pool loads, and (precise index) a prefix every candidate holds itself,
+    such as a system prompt on the whole fleet. ``hits`` then lists only the workers that
+    hold more, so such a prompt costs the few workers holding more rather than the whole
+    fleet."""
 
     query_len: int = 0
     unit: Unit = "chars"
@@ -70,7 +72,7 @@ class PrefixIndex(Protocol):
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         """Per-worker cached prefix of ``request``, only for ``workers``: in ``hits`` where a
-        worker holds more than ``everyone`` (the shared pool), absent otherwise."""
+        worker holds more than ``everyone`` (what all of them reuse), absent otherwise."""
         ...
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
