@@ -149,6 +149,24 @@ def hot_prefix(workers: list[WorkerView], page_size: int, in_flight: int, decisi
     return timed(fn, [request(f"hot{i}") for i in range(decisions)], workers)
 
 
+def hot_prefix_approx(workers: list[WorkerView], page_size: int, decisions: int, seed: int
+                      ) -> tuple[list[float], list[float]]:
+    """``cache_aware`` on the approximate tree through the same hot system prompt, which every
+    worker was routed once (so every worker is a tenant of it); each decision is then
+    inserted, as in a gateway. A node every candidate holds is one ``everyone`` entry, not
+    64 (``RadixIndex.match``)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(32_000) for _ in range(62 * page_size)]
+    tail = [7] * (2 * page_size)
+    tree = RadixIndex(key="tokens")
+    for i, w in enumerate(workers):
+        tree.record(RequestView(f"s{i}", "/generate", token_ids=system + [rng.randrange(32_000) for _ in range(300)]), w)
+    policy = CacheAware(index=tree)
+    requests = [RequestView(f"hot{i}", "/generate", token_ids=system + tail + [rng.randrange(32_000) for _ in range(300)])
+                for i in range(decisions)]
+    return timed(policy.select, requests, workers)
+
+
 def row(name: str, times: tuple[list[float], list[float]]) -> str:
     wall, cpu = times
     return (f"| {name} | {len(wall)} | {statistics.median(cpu):.1f} | {_p99(cpu):.1f} "
@@ -321,6 +339,8 @@ def main() -> None:
                            hot_prefix(workers, ps, in_flight, args.decisions, args.seed + in_flight)))
     results.append(row("kv_events select through a hot prefix every worker holds, 3,000 requests in flight past it",
                        hot_prefix(workers, ps, 3000, args.decisions, args.seed + 1, select=True)))
+    results.append(row("cache_aware select, approx index, through a hot prefix every worker holds",
+                       hot_prefix_approx(workers, ps, args.decisions, args.seed + 2)))
     results.append(row("packing the ids alone, full prompt (wire.hashing.uint32_le)",
                        timed(lambda r, _w: uint32_le(r.token_ids), hash_reqs, workers)))
     hash_us = timed(lambda r, _w: page_hashes(r.token_ids, ps), hash_reqs, workers)

@@ -136,15 +136,18 @@ class RadixIndex:
         wanted = self._wanted
         hits = result.hits
         # Tenants only shrink going down a path, so the deepest node holding a tenant is
-        # where its match ends.
+        # where its match ends; a node every candidate holds (a system prompt on the whole
+        # fleet) is what all of them reuse, said once (64 entries cost ~30 us of a match).
         for node, end in reversed(self._walk(key)):
             if end <= skip:
                 break
-            for url in node.tenants.keys() & wanted:
+            held = node.tenants.keys() & wanted
+            if len(held) == len(wanted):
+                result.everyone = Tiers(end - skip)
+                break
+            for url in held:
                 if url not in hits:
                     hits[url] = Tiers(end - skip)
-            if len(hits) == len(wanted):
-                break
         return result
 
     def match_key(self, key: str) -> dict[str, int]:

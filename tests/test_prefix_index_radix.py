@@ -63,7 +63,8 @@ def test_match_equals_brute_force_longest_common_prefix(inserts, queries):
         index.record(req(text), WorkerView(url))
     check_invariants(index)
     for q in queries:
-        got = {u: t.gpu for u, t in index.match(req(q), WORKERS).hits.items()}
+        match = index.match(req(q), WORKERS)
+        got = {w.url: match.get(w.url).gpu for w in WORKERS if match.get(w.url).gpu}
         assert got == brute(inserts, q)
         assert index.match(req(q), WORKERS).query_len == len(q)
 
@@ -92,9 +93,10 @@ def test_eviction_takes_the_least_recently_used_tenant_leaf_first():
     index.record(req("shared-prefix/A-tail"), a)  # A is now more recent than B
     index.max_units = index.units - 1
     index._evict_to(index.max_units)
-    hits = index.match(req("shared-prefix/B-tail"), [a, b]).hits
-    assert hits[a.url].gpu == len("shared-prefix/")  # A keeps its path, B lost its leaf
-    assert hits[b.url].gpu == len("shared-prefix/")
+    match = index.match(req("shared-prefix/B-tail"), [a, b])
+    assert match.get(a.url).gpu == len("shared-prefix/")  # A keeps its path, B lost its leaf
+    assert match.get(b.url).gpu == len("shared-prefix/")
+    assert not match.hits and match.everyone.gpu == len("shared-prefix/")  # said once for both
     assert index.match(req("shared-prefix/A-tail"), [a]).get(a.url).gpu == len("shared-prefix/A-tail")
     check_invariants(index)
 
