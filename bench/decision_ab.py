@@ -82,7 +82,8 @@ def main() -> None:
         fill(index, workers, owners, conv_pages, ps)
         # as a gateway builds them: the precise index behind its text fallback, fed by KV events
         if args.policy == "cost":
-            pol = importlib.import_module(package + ".cost").Cost(index="precise", speculative_ttl_s=args.speculative_ttl)
+            pol = importlib.import_module(package + ".cost").Cost(index="precise",
+                                                                  speculative_ttl_s=args.speculative_ttl)
         else:
             pol = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=args.speculative_ttl)
         pol.index.precise = pol.feed.index = index

@@ -158,12 +158,15 @@ def hot_prefix_approx(workers: list[WorkerView], page_size: int, decisions: int,
     rng = random.Random(seed)
     system = [rng.randrange(32_000) for _ in range(62 * page_size)]
     tail = [7] * (2 * page_size)
+
+    def question() -> list[int]:
+        return [rng.randrange(32_000) for _ in range(300)]
+
     tree = RadixIndex(key="tokens")
     for i, w in enumerate(workers):
-        tree.record(RequestView(f"s{i}", "/generate", token_ids=system + [rng.randrange(32_000) for _ in range(300)]), w)
+        tree.record(RequestView(f"s{i}", "/generate", token_ids=system + question()), w)
     policy = CacheAware(index=tree)
-    requests = [RequestView(f"hot{i}", "/generate", token_ids=system + tail + [rng.randrange(32_000) for _ in range(300)])
-                for i in range(decisions)]
+    requests = [RequestView(f"hot{i}", "/generate", token_ids=system + tail + question()) for i in range(decisions)]
     return timed(policy.select, requests, workers)
 
 

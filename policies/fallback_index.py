@@ -61,7 +61,8 @@ class PreciseOrApprox:
 
     def record(self, request: RequestView, worker: WorkerView) -> None:
         self.precise.record(request, worker)
-        if request.text is not None and (self._approx_for == request.request_id or not self.precise.usable(request)):
+        routed_by_text = self._approx_for == request.request_id or not self.precise.usable(request)
+        if request.text is not None and routed_by_text:
             self.approx.record(request, worker)
 
     def remove_worker(self, url: str) -> None:
