@@ -31,8 +31,9 @@ in C and bisected for the few positions where bits drop. The pages every candida
 GPU (up to the first bit that drops: a system prompt on the whole fleet) are one number,
 ``IndexMatch.everyone``, and only workers holding more are listed: listing all 64 cost ~75
 us of a match through such a prefix. A page held out of order (a hole from a lost event, an
-expiring speculative entry) ends the prefix there, as it would in the engine. Each worker's own raw tier bits per block hash live in its slot's dict (used for
-updates), and how many workers hold each hash decides when a block is forgotten.
+expiring speculative entry) ends the prefix there, as it would in the engine. Each worker's
+own raw tier bits per block hash live in its slot's dict (used for updates), and how many
+workers hold each hash decides when a block is forgotten.
 
 Blocks whose parent the worker never reported are counted (``orphans``: a sign of lost
 events). Parent links themselves are not kept: the trie's runs are the chains, and a dict

@@ -27,6 +27,8 @@ from collections import OrderedDict
 from itertools import repeat
 from typing import Any
 
+from policies.common_prefix import common_units
+
 
 class Run:
     __slots__ = ("key", "width", "masks", "names", "spec", "pooled", "until", "children", "parent", "link")
@@ -92,18 +94,9 @@ def walk(run: Run, prompt: bytes) -> tuple[Path, Run, int]:
             n = len(run.masks)
         elif not prompt.startswith(key[:width], pos):  # not even the first page (a sibling's run)
             n = 0
-        else:  # diverges inside the run (or the prompt ends there): bisect the pages, in C,
-            # each step comparing only the pages past those known equal (~2 run lengths of
-            # memcmp in all, not one per step: 90 -> 14 us at 60k pages into a 100k-page run)
-            lo, hi = 1, min(len(key), end - pos) // width
+        else:  # diverges inside the run (or the prompt ends there): bisect the pages, in C
             with memoryview(key) as view:
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if prompt.startswith(view[lo * width: mid * width], pos + lo * width):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-            n = lo
+                n = common_units(prompt, pos, view, 1, min(len(key), end - pos) // width, width)
         if n:
             path.append((run, n))
         pos += n * width

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
 from policies.base import RequestView, WorkerView
+from policies.common_prefix import common_units
 from policies.prefix_index import IndexMatch, Tiers, Unit
 from wire.hashing import uint32_le
 
@@ -43,17 +44,8 @@ class _Node:
 
 
 def _common_len(edge: str, key: str, pos: int) -> int:
-    """Length of the common prefix of ``edge`` and ``key[pos:]`` by bisection on startswith
-    (log-many C calls instead of a Python loop per character), each step slicing and
-    comparing only the characters past those known equal (~2 edge lengths in all)."""
-    lo, hi = 0, min(len(edge), len(key) - pos)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if key.startswith(edge[lo:mid], pos + lo):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Length of the common prefix of ``edge`` and ``key[pos:]``."""
+    return common_units(key, pos, edge, 0, min(len(edge), len(key) - pos))
 
 
 def tokens_key(token_ids: Sequence[int]) -> str:
