@@ -33,11 +33,12 @@ from policies.common_prefix import common_units
 class Run:
     __slots__ = ("key", "width", "masks", "names", "spec", "pooled", "until", "children", "parent", "link")
 
-    def __init__(self, parent: Run | None, link: Any, width: int) -> None:
-        self.key = bytearray()  # the pages' tokens as uint32 LE, ``width`` bytes per page
+    def __init__(self, parent: Run | None, link: Any, width: int, pages: bytes = b"") -> None:
+        n = len(pages) // width
+        self.key = bytearray(pages)  # the pages' tokens as uint32 LE, ``width`` bytes per page
         self.width = width
-        self.masks: list[int] = []
-        self.names: list[Any] = []  # per page: None, a block hash, or a list of them
+        self.masks: list[int] = [0] * n
+        self.names: list[Any] = [None] * n  # per page: None, a block hash, or a list of them
         self.spec: list[int] | None = None
         self.pooled: bytearray | None = None
         self.until: dict[int, list[float]] | None = None  # slot -> per-page speculative expiry
@@ -118,9 +119,8 @@ def grow(run: Run, at: int, pages: bytes) -> tuple[Run, int]:
         run.append(pages, n)
         return run, at
     first = bytes(pages[:width])
-    child = Run(run, (at, first), width)
+    child = Run(run, (at, first), width, pages)
     run.children.setdefault(at, {})[first] = child
-    child.append(pages, n)
     return child, 0
 
 
