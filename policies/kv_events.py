@@ -10,7 +10,8 @@ stats; ``policies.fallback_index``).
 Options beyond ``cache_aware``'s: ``kv_endpoints`` (worker URL -> endpoint or
 ``{endpoint, replay_endpoint, topic}``; default: each worker's ``server_info["kv_events"]``),
 ``page_size`` (when server_info lacks it), ``speculative_ttl_s``, ``replay_timeout_s``,
-``max_index_blocks`` (the precise index's memory budget, in blocks; 0: none).
+``max_index_blocks`` (the precise index's memory budget, in blocks; 0: none), ``kv_slice_ms``
+(event work per turn of the gateway's loop before the feed lets requests run, default 0.5).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def precise_index(options: Mapping[str, object], owner: str,
                          shared_pool=bool(options.get("shared_pool", True)),
                          max_blocks=int(options.get("max_index_blocks", DEFAULT_MAX_INDEX_BLOCKS)))
     feed = KvEventFeed(precise, parse_endpoints(options.get("kv_endpoints")),
-                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)), quiet=quiet)
+                       replay_timeout_s=float(options.get("replay_timeout_s", 2.0)), quiet=quiet,
+                       slice_ms=float(options.get("kv_slice_ms", 0.5)))
     tree, budget = make_radix(options, key="text")
     return PreciseOrApprox(precise, tree, owner, fed=feed.feeds_any, quiet=quiet), feed, budget
 

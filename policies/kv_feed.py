@@ -84,8 +84,14 @@ class KvEventFeed:
     """Runs the subscribers; ``add``/``remove`` follow the fleet, ``start``/``stop`` the loop."""
 
     def __init__(self, index: BlockIndex, override: Mapping[str, object] | None = None,
-                 replay_timeout_s: float = 2.0, quiet: bool = False) -> None:
+                 replay_timeout_s: float = 2.0, quiet: bool = False, slice_ms: float = 0.5) -> None:
         self.index = index
+        # Event work the subscribers together may do in one turn of the event loop before each
+        # yields after one message: the requests on the same loop wait for no more than that
+        # (plus a message per publisher) however far behind the feed is.
+        self.slice_s = max(float(slice_ms), 0.0) / 1e3
+        self._spent = 0.0  # of the slice, in this turn of the loop
+        self._slice_open = False
         self.override = dict(override or {})
         self.replay_timeout_s = float(replay_timeout_s)
         self._ctx: zmq.asyncio.Context | None = None
@@ -199,57 +205,106 @@ class KvEventFeed:
                 await asyncio.sleep(1.0)
 
     async def _subscribe(self, pub: Publisher) -> None:
+        """Receive from one publisher until cancelled or disconnected. The SUB socket is read
+        through the blocking API from a reader on its file descriptor, draining what has
+        arrived at each wakeup: pyzmq's asyncio poller cost ~150 us of the loop per message
+        (a future per socket per poll), so a fleet's events took most of a core
+        (bench/kv_feed_rate.py). ZMQ's descriptor is edge-triggered: it signals when the
+        socket's state changes, so a wakeup drains until the socket says it is empty (or the
+        loop's slice for events is spent, and then it goes on after one turn of the loop)."""
         assert self._ctx is not None
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, pub.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sub.connect(pub.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        expected: int | None = None
-        try:
-            while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
+        loop = asyncio.get_running_loop()
+        # (a socket of the same context through the blocking API: the context does not track
+        # it, so it is closed here on every path, or stop()'s destroy would wait for it forever)
+        sub = zmq.Context.shadow(self._ctx.underlying).socket(zmq.SUB)
+        raw_monitor = fd = watcher = None
+        readable = asyncio.Event()
+        disconnected = 0
+
+        async def watch(monitor: zmq.asyncio.Socket) -> None:
+            nonlocal disconnected
+            try:
+                while True:
                     await recv_monitor_message(monitor)
+                    disconnected += 1
+                    readable.set()
+            finally:
+                monitor.close(0)
+
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, pub.topic.encode())
+            raw_monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            watcher = loop.create_task(watch(zmq.asyncio.Socket.from_socket(raw_monitor)))
+            sub.connect(pub.endpoint)
+            fd = sub.getsockopt(zmq.FD)
+            loop.add_reader(fd, readable.set)
+            readable.set()  # (anything already queued would not signal the descriptor)
+            clock = time.perf_counter
+            expected: int | None = None
+            while True:
+                await readable.wait()
+                readable.clear()
+                if disconnected:
+                    disconnected = 0
                     self.counters["disconnects"] += 1
                     log.info("KV event publisher %s disconnected: clearing %s", pub.endpoint, pub.url)
                     self.index.clear_worker(pub.url)
                     expected = None
-                if sub not in ready:
-                    continue
-                frames = await sub.recv_multipart()
-                if len(frames) < 2:
-                    continue
-                seq, payload = unpack_seq(frames[-2]), frames[-1]
-                self.counters["messages"] += 1
-                if expected is None:
-                    if seq > 0:  # joined late: take what the publisher still buffers
-                        await self._replay(pub, 0, seq, strict=False)
-                elif seq > expected:
-                    self.counters["gaps"] += 1
-                    if not await self._replay(pub, expected, seq, strict=True):
-                        self.counters["unrecoverable"] += 1
-                        log.warning("KV events %d..%d from %s lost for good: clearing %s",
-                                    expected, seq - 1, pub.endpoint, pub.url)
-                        self.index.clear_worker(pub.url)
-                elif seq < expected:
-                    self.counters["restarts"] += 1
-                    log.info("KV event sequence of %s restarted (%d after %d): clearing %s",
-                             pub.endpoint, seq, expected - 1, pub.url)
-                    self.index.clear_worker(pub.url)
-                    if seq > 0:
-                        await self._replay(pub, 0, seq, strict=False)
-                self._apply(pub.url, payload)
-                expected = seq + 1
+                if not self._slice_open:  # the first subscriber in this turn of the loop
+                    self._slice_open = True
+                    loop.call_soon(self._next_slice)
+                t0 = clock()
+                while True:
+                    try:
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) >= 2:
+                        expected = await self._receive(pub, unpack_seq(frames[-2]), frames[-1], expected)
+                    if self._spent + clock() - t0 >= self.slice_s:  # more may be waiting:
+                        readable.set()
+                        break
+                self._spent += clock() - t0
+                if readable.is_set():  # go on after one turn of the loop (wait() would not yield)
+                    await asyncio.sleep(0)
         finally:
-            poller.unregister(sub)
-            poller.unregister(monitor)
-            sub.disable_monitor()
-            monitor.close(0)
+            if fd is not None:
+                loop.remove_reader(fd)
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await watcher
+            if raw_monitor is not None:
+                sub.disable_monitor()
+                raw_monitor.close(0)
             sub.close(0)
+
+    def _next_slice(self) -> None:
+        self._spent, self._slice_open = 0.0, False
+
+    async def _receive(self, pub: Publisher, seq: int, payload: bytes, expected: int | None) -> int:
+        """Apply one message after whatever a gap in the sequence calls for; the next expected."""
+        self.counters["messages"] += 1
+        if expected is None:
+            if seq > 0:  # joined late: take what the publisher still buffers
+                await self._replay(pub, 0, seq, strict=False)
+        elif seq > expected:
+            self.counters["gaps"] += 1
+            if not await self._replay(pub, expected, seq, strict=True):
+                self.counters["unrecoverable"] += 1
+                log.warning("KV events %d..%d from %s lost for good: clearing %s",
+                            expected, seq - 1, pub.endpoint, pub.url)
+                self.index.clear_worker(pub.url)
+        elif seq < expected:
+            self.counters["restarts"] += 1
+            log.info("KV event sequence of %s restarted (%d after %d): clearing %s",
+                     pub.endpoint, seq, expected - 1, pub.url)
+            self.index.clear_worker(pub.url)
+            if seq > 0:
+                await self._replay(pub, 0, seq, strict=False)
+        self._apply(pub.url, payload)
+        return seq + 1
 
     async def _replay(self, pub: Publisher, start: int, stop: int, *, strict: bool) -> bool:
         """Apply batches ``start..stop-1`` from the replay socket. With ``strict``, any hole

@@ -141,6 +141,35 @@ def test_dropped_sequence_is_replayed_from_the_router():
     asyncio.run(main())
 
 
+def test_a_burst_is_applied_whole_in_slices_that_let_the_loop_run():
+    """A backlog is drained a slice at a time: between slices the loop runs other tasks (the
+    requests), and what is left is applied without waiting for the publisher to send more
+    (ZMQ's descriptor signals only when new messages arrive)."""
+    async def main():
+        ctx, engine, worker, _, policy = await _setup(kv_slice_ms=0)  # a message per turn
+        turns = 0
+
+        async def other_work() -> None:
+            nonlocal turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+
+        bystander = asyncio.create_task(other_work())
+        try:
+            chains = [[1000 + i] * 8 for i in range(300)]
+            for c in chains:  # (sends on a ready socket complete without yielding: one burst)
+                await engine.send(stored(c))
+            await until(lambda: policy.stats()["kv_messages"] == 300)
+            assert all(hit(policy, worker, c) == 8 for c in chains)
+            assert turns >= 150, f"the loop ran other tasks only {turns} times during 300 messages"
+        finally:
+            bystander.cancel()
+            await _teardown(ctx, engine, policy)
+
+    asyncio.run(main())
+
+
 def test_gap_the_buffer_no_longer_covers_clears_the_worker():
     async def main():
         ctx, engine, worker, _, policy = await _setup()
