@@ -207,9 +207,9 @@ class KvEventFeed:
     async def _subscribe(self, pub: Publisher) -> None:
         """Receive from one publisher until cancelled or disconnected. The SUB socket is read
         through the blocking API from a reader on its file descriptor, draining what has
-        arrived at each wakeup: pyzmq's asyncio poller cost ~150 us of the loop per message
-        (a future per socket per poll), so a fleet's events took most of a core
-        (bench/kv_feed_rate.py). ZMQ's descriptor is edge-triggered: it signals when the
+        arrived at each wakeup: pyzmq's asyncio poller cost ~100 us of the loop per message
+        (a future per socket per poll, another per receive), so 64 workers' events took
+        three quarters of a core (bench/kv_feed_rate.py). ZMQ's descriptor is edge-triggered: it signals when the
         socket's state changes, so a wakeup drains until the socket says it is empty (or the
         loop's slice for events is spent, and then it goes on after one turn of the loop)."""
         assert self._ctx is not None
