@@ -27,7 +27,6 @@ import datetime
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,16 +45,6 @@ from wire.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, 
 PAGE = 16
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def payloads(worker: int, messages: int, pages: int) -> list[bytes]:
     """One worker's batches: a new chain of ``pages`` one-page stores, then its removal."""
     rng = random.Random(worker)
@@ -72,19 +61,20 @@ def payloads(worker: int, messages: int, pages: int) -> list[bytes]:
     return out
 
 
-def publish(ports: list[int], messages: int, pages: int, rate: float) -> None:
-    """The publisher process: bind, wait for "go" on stdin, send, print the send time."""
+def publish(workers: int, messages: int, pages: int, rate: float) -> None:
+    """The publisher process: bind, print the ports, wait for "go" on stdin, send, print the
+    send time."""
     import zmq
 
     ctx = zmq.Context()
-    socks = []
-    for p in ports:
+    socks, ports = [], []
+    for _ in range(workers):
         s = ctx.socket(zmq.PUB)
         s.setsockopt(zmq.SNDHWM, 0)  # keep everything: a drop would read as the feed's loss
-        s.bind(f"tcp://127.0.0.1:{p}")
+        ports.append(s.bind_to_random_port("tcp://127.0.0.1"))
         socks.append(s)
-    batches = [payloads(w, messages, pages) for w in range(len(ports))]
-    print("ready", flush=True)
+    batches = [payloads(w, messages, pages) for w in range(workers)]
+    print(",".join(map(str, ports)), flush=True)
     sys.stdin.readline()
     t0 = time.perf_counter()
     sent = 0
@@ -102,15 +92,16 @@ def publish(ports: list[int], messages: int, pages: int, rate: float) -> None:
 
 
 async def subscribe(args: argparse.Namespace) -> dict[str, float]:
-    ports = free_ports(args.workers)
-    pub = subprocess.Popen([sys.executable, __file__, "--publisher", ",".join(map(str, ports)),
+    pub = subprocess.Popen([sys.executable, __file__, "--publisher", str(args.workers),
                             "--messages", str(args.messages), "--pages", str(args.pages), "--rate", str(args.rate)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
         assert pub.stdout is not None and pub.stdin is not None
-        if pub.stdout.readline().strip() != "ready":
+        line = pub.stdout.readline().strip()
+        if not line:
             raise RuntimeError("publisher did not start")
+        ports = [int(p) for p in line.split(",")]
         index = BlockIndex(default_page_size=PAGE)
         feed = KvEventFeed(index)
         for i, p in enumerate(ports):
@@ -147,7 +138,6 @@ async def subscribe(args: argparse.Namespace) -> dict[str, float]:
         return {"received": got, "expected": total, "wall_s": wall, "cpu_s": cpu, "loop_cpu_s": loop_cpu,
                 "send_s": float(sent_line[1]) if len(sent_line) == 2 else float("nan"),
                 "gaps": feed.counters["gaps"], "unrecoverable": feed.counters["unrecoverable"],
-                "blocks_left": len(index._holders), "events_applied": index.events_applied,
                 "lag_p50_ms": statistics.median(lags) if lags else 0.0,
                 "lag_p99_ms": lags[min(len(lags) - 1, int(len(lags) * 0.99))] if lags else 0.0,
                 "lag_max_ms": lags[-1] if lags else 0.0}
@@ -163,10 +153,10 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=8, help="pages per batch (one event each)")
     ap.add_argument("--rate", type=float, default=0.0, help="messages/s for the whole fleet (0: as fast as possible)")
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--publisher", help=argparse.SUPPRESS)
+    ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)  # (internal: the publisher process)
     args = ap.parse_args()
     if args.publisher:
-        publish([int(p) for p in args.publisher.split(",")], args.messages, args.pages, args.rate)
+        publish(args.publisher, args.messages, args.pages, args.rate)
         return
     try:
         import uvloop
