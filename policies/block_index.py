@@ -175,52 +175,77 @@ def _path_masks(run: Run, n: int) -> list[int]:
     return masks if run.spec is None else list(map(or_, masks, run.spec))
 
 
+def _stretch(values: list[int], a: int, n: int) -> int:
+    """Where the stretch of ``values[a:n]`` equal to ``values[a]`` ends, found with ``count``
+    over slices in C, growing then halved: the cost follows the stretch's length, not the
+    run's. Pages stored or evicted together share one mask object (``_set_mask``), which
+    ``count`` checks by identity."""
+    v = values[a]
+    lo, step, hi = a + 1, 16, n
+    while lo < n:
+        hi = min(lo + step, n)
+        if values[lo:hi].count(v) != hi - lo:
+            break
+        lo, step = hi, step * 4
+    else:
+        return n
+    while hi - lo > 1:  # values[a:lo] equal v; one of values[lo:hi] does not
+        mid = (lo + hi) >> 1
+        if values[lo:mid].count(v) == mid - lo:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _held_on_path(path: Path, wanted: int) -> tuple[dict[int, int], int]:
-    """``_held_pages`` over a trie path, one AND per run whose pages share one mask, and the
-    floor: the leading pages every candidate holds on GPU, where the first bit drops. Bits
-    that drop there are left out of ``pages`` (their count is the floor), so a prefix every
-    worker holds (a system prompt on the whole fleet) costs one number instead of an entry
-    per worker and tier (~190 bits at 64 workers, ~40 us of a match in Python)."""
+    """``_held_pages`` over a trie path, one AND per stretch of pages that share one mask (a
+    conversation's pages are stored and evicted together, so a run is one stretch or a few),
+    and the floor: the leading pages every candidate holds on GPU, where the first bit drops.
+    Bits that drop there are left out of ``pages`` (their count is the floor), so a prefix
+    every worker holds (a system prompt on the whole fleet) costs one number instead of an
+    entry per worker and tier (~190 bits at 64 workers, ~40 us of a match in Python).
+
+    A run cut into short stretches (holes, one-page speculative entries) is read page by
+    page instead, in C: past 4 stretches averaging under 32 pages, a stretch costs more in
+    Python than its pages do. At page size 1 a 4,000-page run with speculative bits on its
+    tail was read page by page before, ~340 us."""
     pages: dict[int, int] = {}
     if not wanted:
         return pages, 0
     acc, pos, floor = wanted, 0, -1  # (-1: no bit has dropped yet)
     for run, n in path:
-        masks = _head(run.masks, n)
-        first = masks[0]
-        uniform = masks.count(first) == n
-        if run.spec is not None:  # its speculative bits: one more OR if uniform too
-            spec = _head(run.spec, n)
-            if uniform and spec.count(spec[0]) == n:
-                first |= spec[0]
+        masks, spec = run.masks, run.spec
+        # The usual run carries one mask: one count over the pages tells.
+        mask_end = n if _head(masks, n).count(masks[0]) == n else _stretch(masks, 0, n)
+        spec_end = n if spec is None or _head(spec, n).count(spec[0]) == n else _stretch(spec, 0, n)
+        a = stretches = 0
+        while a < n:
+            if stretches > 4 and a < 32 * stretches:  # short stretches: the rest page by page
+                rest = masks[a:n] if spec is None else list(map(or_, masks[a:n], spec[a:n]))
+                acc, floor = _fold_pages(rest, acc, pos + a, floor, pages)
+                break
+            if mask_end <= a:
+                mask_end = _stretch(masks, a, n)
+            mask = masks[a]
+            if spec is None:
+                end = mask_end
             else:
-                uniform, masks = False, list(map(or_, masks, spec))
-        if uniform:
-            new = acc & first
+                if spec_end <= a:
+                    spec_end = _stretch(spec, a, n)
+                mask |= spec[a]
+                end = mask_end if mask_end < spec_end else spec_end
+            new = acc & mask
             if new != acc:
                 if floor < 0:
-                    floor = pos
+                    floor = pos + a
                 else:  # (past the floor, so past the first page)
                     for b in _bit_indexes(acc & ~new):
-                        pages[b] = pos
-            acc = new
-        else:
-            running = list(takewhile(bool, accumulate(masks, and_, initial=acc)))
-            if floor >= 0:
-                _drops(running, pos, pages)
-            elif running[-1] != acc:  # the first drop is in this run: after its leading equal ANDs
-                f = running.count(acc) - 1
-                floor = pos + f
-                _drops(running[f + 1:], floor + 1, pages)
-            if len(running) <= n:  # some page held by no candidate left: the rest stop here
-                stop = pos + len(running) - 1
-                if floor < 0:
-                    floor = stop
-                elif stop:  # (bits no page kept are misses: not recorded)
-                    for b in _bit_indexes(running[-1]):
-                        pages[b] = stop
-                return pages, floor
-            acc = running[-1]
+                        pages[b] = pos + a
+                acc = new
+                if not acc:
+                    break
+            a, stretches = end, stretches + 1
         if not acc:
             return pages, floor
         pos += n
@@ -229,6 +254,28 @@ def _held_on_path(path: Path, wanted: int) -> tuple[dict[int, int], int]:
     for b in _bit_indexes(acc):
         pages[b] = pos
     return pages, floor
+
+
+def _fold_pages(masks: list[int], acc: int, at: int, floor: int, pages: dict[int, int]) -> tuple[int, int]:
+    """The running AND through ``masks`` (pages ``at`` on), page by page in C, recording
+    the bits that drop as ``_held_on_path`` does; returns (the AND, 0 where it ran out, and
+    the floor)."""
+    running = list(takewhile(bool, accumulate(masks, and_, initial=acc)))
+    if floor >= 0:
+        _drops(running, at, pages)
+    elif running[-1] != acc:  # the first drop is here: after the leading equal ANDs
+        f = running.count(acc) - 1
+        floor = at + f
+        _drops(running[f + 1:], floor + 1, pages)
+    if len(running) > len(masks):
+        return running[-1], floor
+    stop = at + len(running) - 1  # some page held by no candidate: the rest stop here
+    if floor < 0:
+        floor = stop
+    elif stop:  # (bits no page kept are misses: not recorded)
+        for b in _bit_indexes(running[-1]):
+            pages[b] = stop
+    return 0, floor
 
 
 def _pooled_on_path(path: Path) -> int:

@@ -439,3 +439,34 @@ def test_a_batch_of_removals_keeps_each_events_medium():
     index.apply_batch(URLS[0], [BlockRemoved(hashes[1:], "GPU"), BlockRemoved(hashes[:1], "GPU"),
                                 BlockRemoved(hashes[1:], "CPU_PINNED")])
     assert tuple(index.match(req(tokens), WORKERS).hits[URLS[0]]) == (0, 2, 0)
+
+
+LONG = list(range(1000, 1000 + 400 * PS))  # one conversation of 400 pages: one run
+spans = st.tuples(st.integers(0, 400), st.integers(0, 400), st.sampled_from([1, 1, 2, 3, 37]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "store", "remove", "record", "expire"]),
+                          st.integers(0, 3), spans, st.integers(0, 2)), max_size=20),
+       st.lists(st.integers(1, 400), min_size=1, max_size=4))
+def test_a_long_run_cut_into_stretches_matches_page_by_page(operations, lengths):
+    """Workers hold a 400-page conversation to different depths, with holes every page or
+    every few (lost removals) and speculative tails: the run's masks come in stretches
+    from one page to hundreds, read a stretch at a time or, past a few short ones, page by
+    page. Matches must equal a page-by-page read."""
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=60, shared_pool=False)  # (the read has no pool)
+    hashes = page_hashes(LONG, PS)
+    for i, (op, w, (a, b, stride), tier) in enumerate(operations):
+        if op == "store" and b:
+            index.apply(URLS[w], BlockStored(hashes[:b], None, LONG[:b * PS], PS, medium=MEDIUMS[tier]))
+        elif op == "remove":
+            index.apply(URLS[w], BlockRemoved(hashes[a:b:stride], MEDIUMS[tier]))
+        elif op == "record" and b:
+            request = req(LONG[:b * PS], rid=f"r{i}")
+            index.match(request, WORKERS)
+            index.record(request, WORKERS[w])
+        elif op == "expire":
+            index.expire(now=10**12, limit=1)
+    for n in lengths:
+        got = held_by(index.match(req(LONG[:n * PS], rid="q"), WORKERS), WORKERS)
+        assert got == _walked_page_by_page(index, LONG[:n * PS])
