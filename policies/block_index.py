@@ -111,6 +111,8 @@ def _set_mask(run: Run, i: int, mask: int) -> None:
     elif i + 1 < len(masks) and masks[i + 1] == mask:
         mask = masks[i + 1]
     masks[i] = mask
+    if i < run.flat:
+        run.flat = i
 
 
 def _name(run: Run, i: int, h: int) -> None:
@@ -175,13 +177,22 @@ def _path_masks(run: Run, n: int) -> list[int]:
     return masks if run.spec is None else list(map(or_, masks, run.spec))
 
 
-def _stretch(values: list[int], a: int, n: int) -> int:
-    """Where the stretch of ``values[a:n]`` equal to ``values[a]`` ends, found with ``count``
-    over slices in C, growing then halved: the cost follows the stretch's length, not the
-    run's. Pages stored or evicted together share one mask object (``_set_mask``), which
-    ``count`` checks by identity."""
+def _leading(values: list[int], known: int, n: int) -> int:
+    """Where the stretch of ``values[:n]`` equal to ``values[0]`` ends, given that the first
+    ``known`` are: the usual run carries one mask, so one count over the rest tells."""
+    if known >= n:
+        return n
+    rest = values if not known and n == len(values) else values[known:n]
+    return n if rest.count(values[0]) == n - known else _stretch(values, 0, n, max(known, 1))
+
+
+def _stretch(values: list[int], a: int, n: int, lo: int = 0) -> int:
+    """Where the stretch of ``values[a:n]`` equal to ``values[a]`` ends, given that it goes
+    at least to ``lo``, found with ``count`` over slices in C, growing then halved: the cost
+    follows the stretch's length, not the run's. Pages stored or evicted together share one
+    mask object (``_set_mask``), which ``count`` checks by identity."""
     v = values[a]
-    lo, step, hi = a + 1, 16, n
+    lo, step, hi = max(lo, a + 1), 16, n
     while lo < n:
         hi = min(lo + step, n)
         if values[lo:hi].count(v) != hi - lo:
@@ -206,19 +217,26 @@ def _held_on_path(path: Path, wanted: int) -> tuple[dict[int, int], int]:
     every worker holds (a system prompt on the whole fleet) costs one number instead of an
     entry per worker and tier (~190 bits at 64 workers, ~40 us of a match in Python).
 
-    A run cut into short stretches (holes, one-page speculative entries) is read page by
-    page instead, in C: past 4 stretches averaging under 32 pages, a stretch costs more in
-    Python than its pages do. At page size 1 a 4,000-page run with speculative bits on its
-    tail was read page by page before, ~340 us."""
+    How far a run's first stretch goes is kept on the run (``flat``, ``spec_flat``) from one
+    match to the next, so a long run is counted once, not on every match. A run cut into
+    short stretches (holes, one-page speculative entries) is read page by page instead, in
+    C: past 4 stretches averaging under 32 pages, a stretch costs more in Python than its
+    pages do. At page size 1 a 4,000-page run with speculative bits on its tail was read
+    page by page before, ~340 us."""
     pages: dict[int, int] = {}
     if not wanted:
         return pages, 0
     acc, pos, floor = wanted, 0, -1  # (-1: no bit has dropped yet)
     for run, n in path:
         masks, spec = run.masks, run.spec
-        # The usual run carries one mask: one count over the pages tells.
-        mask_end = n if _head(masks, n).count(masks[0]) == n else _stretch(masks, 0, n)
-        spec_end = n if spec is None or _head(spec, n).count(spec[0]) == n else _stretch(spec, 0, n)
+        mask_end = _leading(masks, run.flat, n)
+        if mask_end > run.flat:
+            run.flat = mask_end
+        spec_end = n
+        if spec is not None:
+            spec_end = _leading(spec, run.spec_flat, n)
+            if spec_end > run.spec_flat:
+                run.spec_flat = spec_end
         a = stretches = 0
         while a < n:
             if stretches > 4 and a < 32 * stretches:  # short stretches: the rest page by page
@@ -396,7 +414,7 @@ class BlockIndex:
             if not run.until:
                 run.until = None
             if run.spec is not None:
-                _combine(run.spec, 0, len(run.spec), and_, keep)
+                _combine(run.spec, 0, len(run.spec), and_, keep)  # (equal bits stay equal: spec_flat holds)
                 if not any(run.spec):
                     run.spec = None
             trim(run, self._roots, self._lru)
@@ -912,10 +930,11 @@ class BlockIndex:
             if a >= b:
                 continue
             if run.spec is None and run.until is None and not a and b == len(run.masks):  # new pages, grown above
-                run.spec, run.until = [bits] * b, {s: [until] * b}
+                run.spec, run.until, run.spec_flat = [bits] * b, {s: [until] * b}, b
                 runs.add(run)
                 continue
             _combine(run.spec_list(), a, b, or_, bits)
+            run.spec_changed(a)
             if run.until is None:
                 run.until = {}
             times = run.until.get(s)
@@ -951,6 +970,7 @@ class BlockIndex:
                         if times[i] == until:
                             times[i] = 0.0
                             spec[i] &= clear
+                run.spec_changed(a)
                 if not any(times):
                     self._spec_done(run, s)
                 if not any(spec):

@@ -467,6 +467,20 @@ def test_a_long_run_cut_into_stretches_matches_page_by_page(operations, lengths)
             index.record(request, WORKERS[w])
         elif op == "expire":
             index.expire(now=10**12, limit=1)
+        index.match(req(LONG[:max(a, 1) * PS], rid=f"m{i}"), WORKERS)  # (learns how far runs are flat)
+        _assert_flat_bounds(index)
     for n in lengths:
         got = held_by(index.match(req(LONG[:n * PS], rid="q"), WORKERS), WORKERS)
         assert got == _walked_page_by_page(index, LONG[:n * PS])
+
+
+def _assert_flat_bounds(index: BlockIndex) -> None:
+    """Every run's ``flat`` (``spec_flat``) leading pages do carry its first page's mask
+    (speculative bits): a bound a write failed to lower would let a match skip a change."""
+    runs = list(index._roots.values())
+    while runs:
+        run = runs.pop()
+        runs += [child for kids in run.children.values() for child in kids.values()]
+        assert run.flat <= len(run.masks) and run.masks[:run.flat].count(run.masks[0] if run.masks else 0) == run.flat
+        if run.spec is not None:
+            assert run.spec_flat <= len(run.spec) and run.spec[:run.spec_flat].count(run.spec[0]) == run.spec_flat
