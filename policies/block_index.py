@@ -934,7 +934,7 @@ class BlockIndex:
                 runs.add(run)
                 continue
             _combine(run.spec_list(), a, b, or_, bits)
-            run.spec_changed(a)
+            run.spec_changed(a, b)
             if run.until is None:
                 run.until = {}
             times = run.until.get(s)
@@ -965,12 +965,13 @@ class BlockIndex:
                 if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
                     _combine(spec, a, b, and_, clear)
                     times[a:b] = repeat(0.0, b - a)
+                    run.spec_changed(a, b)
                 else:
                     for i in range(a, b):
                         if times[i] == until:
                             times[i] = 0.0
                             spec[i] &= clear
-                run.spec_changed(a)
+                    run.spec_changed(a)
                 if not any(times):
                     self._spec_done(run, s)
                 if not any(spec):

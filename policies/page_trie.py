@@ -68,10 +68,11 @@ class Run:
             self.pooled = bytearray(len(self.masks))
         self.pooled[i] = on
 
-    def spec_changed(self, i: int) -> None:
-        """``spec[i:]`` may have changed."""
-        if i < self.spec_flat:
-            self.spec_flat = i
+    def spec_changed(self, a: int, b: int | None = None) -> None:
+        """``spec[a:]`` may have changed; or, given ``b``, each of ``spec[a:b]`` by one same
+        operation, which keeps equal bits equal (a record's or expiry's whole range)."""
+        if a < self.spec_flat:
+            self.spec_flat = a if a or b is None else min(self.spec_flat, b)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` pages."""
