@@ -24,7 +24,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -34,9 +34,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from policies.base import WorkerView
 from policies.block_index import BlockIndex
-from wire.kv_events import decode_batch, pack_seq, unpack_seq
+from wire.kv_events import decode_in_parts, pack_seq, unpack_seq
 
 log = logging.getLogger("kvgate.policies.kv_events")
+Pace = Callable[[], Awaitable[None]]  # yields a turn of the loop once the events' slice is spent
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,10 @@ class KvEventFeed:
     def __init__(self, index: BlockIndex, override: Mapping[str, object] | None = None,
                  replay_timeout_s: float = 2.0, quiet: bool = False, slice_ms: float = 0.5) -> None:
         self.index = index
-        # Event work the subscribers together may do in one turn of the event loop before each
-        # yields after one message: the requests on the same loop wait for no more than that
-        # (plus a message per publisher) however far behind the feed is.
+        # Event work the subscribers together may do in one turn of the event loop: past it the
+        # turn's other subscribers wait for the next, and a big message goes on there a part at
+        # a time, so the requests on the same loop wait for no more than the slice plus one
+        # part (~256 events) however far behind the feed is and however many publishers.
         self.slice_s = max(float(slice_ms), 0.0) / 1e3
         self._spent = 0.0  # of the slice, in this turn of the loop
         self._slice_open = False
@@ -181,14 +183,24 @@ class KvEventFeed:
             self._ctx = None
 
     # -- one publisher ------------------------------------------------------------------
-    def _apply(self, url: str, payload: bytes) -> None:
-        try:
-            batch = decode_batch(payload)  # with token ids: the index keys blocks by them
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            self.counters["decode_errors"] += 1
-            log.warning("undecodable KV event batch from %s: %s", url, e)
-            return
-        self.index.apply_batch(url, batch.events)
+    async def _apply(self, url: str, payload: bytes, pace: Pace) -> None:
+        """Apply one batch, a part at a time with ``pace()`` between parts (a scheduler step
+        at page size 1 stores thousands of pages: milliseconds to decode and apply)."""
+        parts = decode_in_parts(payload)  # with token ids: the index keys blocks by them
+        first = True
+        while True:
+            try:
+                events = next(parts, None)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+                self.counters["decode_errors"] += 1
+                log.warning("undecodable KV event batch from %s: %s", url, e)
+                return
+            if events is None:
+                return
+            if not first:
+                await pace()
+            first = False
+            self.index.apply_batch(url, events)
 
     async def _run(self, pub: Publisher) -> None:
         """Keep one subscription alive: an unexpected error drops what the worker's state was
@@ -241,6 +253,26 @@ class KvEventFeed:
             loop.add_reader(fd, readable.set)
             readable.set()  # (anything already queued would not signal the descriptor)
             clock = time.perf_counter
+            t0 = 0.0
+
+            def start() -> None:
+                nonlocal t0
+                if not self._slice_open:  # the first subscriber in this turn of the loop
+                    self._slice_open = True
+                    loop.call_soon(self._next_slice)
+                t0 = clock()
+
+            def spent() -> bool:
+                return self._spent + clock() - t0 >= self.slice_s
+
+            async def pace() -> None:
+                """Between parts of one big message: the next turn of the loop once the slice
+                is spent."""
+                if spent():
+                    self._spent += clock() - t0
+                    await asyncio.sleep(0)
+                    start()
+
             expected: int | None = None
             while True:
                 await readable.wait()
@@ -251,18 +283,19 @@ class KvEventFeed:
                     log.info("KV event publisher %s disconnected: clearing %s", pub.endpoint, pub.url)
                     self.index.clear_worker(pub.url)
                     expected = None
-                if not self._slice_open:  # the first subscriber in this turn of the loop
-                    self._slice_open = True
-                    loop.call_soon(self._next_slice)
-                t0 = clock()
+                start()
+                if self._spent and spent():  # others spent this turn's slice: next turn
+                    readable.set()
+                    await asyncio.sleep(0)
+                    continue
                 while True:
                     try:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     if len(frames) >= 2:
-                        expected = await self._receive(pub, unpack_seq(frames[-2]), frames[-1], expected)
-                    if self._spent + clock() - t0 >= self.slice_s:  # more may be waiting:
+                        expected = await self._receive(pub, unpack_seq(frames[-2]), frames[-1], expected, pace)
+                    if spent():  # more may be waiting:
                         readable.set()
                         break
                 self._spent += clock() - t0
@@ -283,15 +316,15 @@ class KvEventFeed:
     def _next_slice(self) -> None:
         self._spent, self._slice_open = 0.0, False
 
-    async def _receive(self, pub: Publisher, seq: int, payload: bytes, expected: int | None) -> int:
+    async def _receive(self, pub: Publisher, seq: int, payload: bytes, expected: int | None, pace: Pace) -> int:
         """Apply one message after whatever a gap in the sequence calls for; the next expected."""
         self.counters["messages"] += 1
         if expected is None:
             if seq > 0:  # joined late: take what the publisher still buffers
-                await self._replay(pub, 0, seq, strict=False)
+                await self._replay(pub, 0, seq, pace, strict=False)
         elif seq > expected:
             self.counters["gaps"] += 1
-            if not await self._replay(pub, expected, seq, strict=True):
+            if not await self._replay(pub, expected, seq, pace, strict=True):
                 self.counters["unrecoverable"] += 1
                 log.warning("KV events %d..%d from %s lost for good: clearing %s",
                             expected, seq - 1, pub.endpoint, pub.url)
@@ -302,11 +335,11 @@ class KvEventFeed:
                      pub.endpoint, seq, expected - 1, pub.url)
             self.index.clear_worker(pub.url)
             if seq > 0:
-                await self._replay(pub, 0, seq, strict=False)
-        self._apply(pub.url, payload)
+                await self._replay(pub, 0, seq, pace, strict=False)
+        await self._apply(pub.url, payload, pace)
         return seq + 1
 
-    async def _replay(self, pub: Publisher, start: int, stop: int, *, strict: bool) -> bool:
+    async def _replay(self, pub: Publisher, start: int, stop: int, pace: Pace, *, strict: bool) -> bool:
         """Apply batches ``start..stop-1`` from the replay socket. With ``strict``, any hole
         (the buffer no longer reaches back to ``start``) applies nothing and fails."""
         if not pub.replay or self._ctx is None:
@@ -338,7 +371,7 @@ class KvEventFeed:
         if strict and not complete:
             return False
         for _, payload in got:
-            self._apply(pub.url, payload)
+            await self._apply(pub.url, payload, pace)
         self.counters["replayed"] += len(got)
         return complete
 

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -165,6 +166,91 @@ def test_a_burst_is_applied_whole_in_slices_that_let_the_loop_run():
             assert turns >= 150, f"the loop ran other tasks only {turns} times during 300 messages"
         finally:
             bystander.cancel()
+            await _teardown(ctx, engine, policy)
+
+    asyncio.run(main())
+
+
+def test_past_the_slice_the_other_publishers_wait_for_the_next_turn():
+    """With a zero slice one message per turn of the loop, whichever publisher it came from:
+    a fleet's backlog cannot hold a turn for a message per publisher."""
+    async def main():
+        ctx, engine, worker, _, policy = await _setup(kv_slice_ms=0)
+        second = EnginePublisher(ctx)
+        worker2 = WorkerView("http://127.0.0.1:30003", server_info=second.server_info())
+        policy.on_worker_added(worker2)
+        await second.wait_subscriber()
+        index = policy.index.precise
+        applied: list[int] = []  # events applied, at each turn of the loop
+
+        async def other_work() -> None:
+            while True:
+                applied.append(index.events_applied)
+                await asyncio.sleep(0)
+
+        bystander = asyncio.create_task(other_work())
+        try:
+            for i in range(150):
+                await engine.send(stored([2000 + i] * 8))
+                await second.send(stored([3000 + i] * 8))
+            await until(lambda: index.events_applied == 300)
+            assert hit(policy, worker, [2149] * 8) == 8 and hit(policy, worker2, [3149] * 8) == 8
+            most = max(b - a for a, b in zip(applied, applied[1:]))
+            assert most == 1, f"{most} messages applied in one turn of the loop"
+        finally:
+            bystander.cancel()
+            await second.close()
+            await _teardown(ctx, engine, policy)
+
+    asyncio.run(main())
+
+
+def test_a_big_message_is_applied_a_part_at_a_time_between_other_tasks():
+    """A scheduler step at page size 1 reports thousands of pages in one message: the loop
+    runs other tasks between its parts, which see it partly applied, and then all of it."""
+    async def main():
+        ctx, engine, worker, _, policy = await _setup(kv_slice_ms=0)
+        index = policy.index.precise
+        seen: set[int] = set()
+
+        async def bystander() -> None:
+            while True:
+                seen.add(index.events_applied)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(bystander())
+        try:
+            tokens = list(range(5000, 5000 + 1500 * PS))
+            hashes = page_hashes(tokens, PS)
+            await engine.send(*(BlockStored([h], hashes[j - 1] if j else None, tokens[j * PS:(j + 1) * PS], PS)
+                                for j, h in enumerate(hashes)))  # ~150 KB: one page per event, as SGLang
+            await until(lambda: index.events_applied == 1500)
+            assert hit(policy, worker, tokens) == 1500 * PS
+            partly = sorted(n for n in seen if 0 < n < 1500)
+            assert len(partly) >= 4, f"other tasks ran only at {partly} of 1500 events applied"
+        finally:
+            watcher.cancel()
+            await _teardown(ctx, engine, policy)
+
+    asyncio.run(main())
+
+
+def test_a_batch_with_an_event_kind_this_version_does_not_know_is_dropped_alone():
+    async def main():
+        ctx, engine, worker, _, policy = await _setup()
+        try:
+            await engine.send(stored(A))
+            await until(lambda: hit(policy, worker, A) == 8)
+            payload = msgspec.msgpack.encode([time.time(), [{"type": "BlockPinned", "block_hashes": [1]}], None])
+            engine.buffer.append((engine.seq, payload))
+            await engine.pub.send_multipart([TOPIC.encode(), pack_seq(engine.seq), payload])
+            engine.seq += 1
+            await engine.send(stored(B))
+            await until(lambda: hit(policy, worker, B) == 8)
+            stats = policy.stats()
+            assert stats["kv_decode_errors"] == 1 and stats["kv_gaps"] == 0
+            assert hit(policy, worker, A) == 8, "the worker's blocks must not be cleared"
+        finally:
             await _teardown(ctx, engine, policy)
 
     asyncio.run(main())
