@@ -50,7 +50,10 @@ class EnginePublisher:
         assert (await self.pub.recv())[0] == 1  # subscribe message
 
     async def send(self, *events, publish: bool = True) -> int:
-        payload = encode_batch(EventBatch(time.time(), list(events)), legacy_arrays=self.legacy)
+        return await self.send_payload(encode_batch(EventBatch(time.time(), list(events)), legacy_arrays=self.legacy),
+                                       publish)
+
+    async def send_payload(self, payload: bytes, publish: bool = True) -> int:
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
         if publish:
@@ -98,6 +101,23 @@ async def _setup(legacy: bool = False, **options):
     await policy.start()
     await engine.wait_subscriber()
     return ctx, engine, worker, other, policy
+
+
+def _each_turn(policy: KvEvents) -> tuple[asyncio.Task, list[int]]:
+    """A task standing for the requests on the loop, and the events the index had applied
+    at each of its turns."""
+    index, applied = policy.index.precise, []
+
+    async def bystander() -> None:
+        while True:
+            applied.append(index.events_applied)
+            await asyncio.sleep(0)
+
+    return asyncio.get_running_loop().create_task(bystander()), applied
+
+
+def _most_per_turn(applied: list[int]) -> int:
+    return max(b - a for a, b in zip(applied, applied[1:]))
 
 
 async def _teardown(ctx, engine, policy) -> None:
@@ -148,22 +168,14 @@ def test_a_burst_is_applied_whole_in_slices_that_let_the_loop_run():
     (ZMQ's descriptor signals only when new messages arrive)."""
     async def main():
         ctx, engine, worker, _, policy = await _setup(kv_slice_ms=0)  # a message per turn
-        turns = 0
-
-        async def other_work() -> None:
-            nonlocal turns
-            while True:
-                await asyncio.sleep(0)
-                turns += 1
-
-        bystander = asyncio.create_task(other_work())
+        bystander, applied = _each_turn(policy)
         try:
             chains = [[1000 + i] * 8 for i in range(300)]
             for c in chains:  # (sends on a ready socket complete without yielding: one burst)
                 await engine.send(stored(c))
             await until(lambda: policy.stats()["kv_messages"] == 300)
             assert all(hit(policy, worker, c) == 8 for c in chains)
-            assert turns >= 150, f"the loop ran other tasks only {turns} times during 300 messages"
+            assert _most_per_turn(applied) == 1, "more than one message applied in a turn of the loop"
         finally:
             bystander.cancel()
             await _teardown(ctx, engine, policy)
@@ -180,22 +192,14 @@ def test_past_the_slice_the_other_publishers_wait_for_the_next_turn():
         worker2 = WorkerView("http://127.0.0.1:30003", server_info=second.server_info())
         policy.on_worker_added(worker2)
         await second.wait_subscriber()
-        index = policy.index.precise
-        applied: list[int] = []  # events applied, at each turn of the loop
-
-        async def other_work() -> None:
-            while True:
-                applied.append(index.events_applied)
-                await asyncio.sleep(0)
-
-        bystander = asyncio.create_task(other_work())
+        bystander, applied = _each_turn(policy)
         try:
             for i in range(150):
                 await engine.send(stored([2000 + i] * 8))
                 await second.send(stored([3000 + i] * 8))
-            await until(lambda: index.events_applied == 300)
+            await until(lambda: policy.index.precise.events_applied == 300)
             assert hit(policy, worker, [2149] * 8) == 8 and hit(policy, worker2, [3149] * 8) == 8
-            most = max(b - a for a, b in zip(applied, applied[1:]))
+            most = _most_per_turn(applied)
             assert most == 1, f"{most} messages applied in one turn of the loop"
         finally:
             bystander.cancel()
@@ -211,14 +215,7 @@ def test_a_big_message_is_applied_a_part_at_a_time_between_other_tasks():
     async def main():
         ctx, engine, worker, _, policy = await _setup(kv_slice_ms=0)
         index = policy.index.precise
-        seen: set[int] = set()
-
-        async def bystander() -> None:
-            while True:
-                seen.add(index.events_applied)
-                await asyncio.sleep(0)
-
-        watcher = asyncio.create_task(bystander())
+        watcher, seen = _each_turn(policy)
         try:
             tokens = list(range(5000, 5000 + 1500 * PS))
             hashes = page_hashes(tokens, PS)
@@ -226,7 +223,7 @@ def test_a_big_message_is_applied_a_part_at_a_time_between_other_tasks():
                                 for j, h in enumerate(hashes)))  # ~150 KB: one page per event, as SGLang
             await until(lambda: index.events_applied == 1500)
             assert hit(policy, worker, tokens) == 1500 * PS
-            partly = sorted(n for n in seen if 0 < n < 1500)
+            partly = sorted({n for n in seen if 0 < n < 1500})
             assert len(partly) >= 4, f"other tasks ran only at {partly} of 1500 events applied"
         finally:
             watcher.cancel()
@@ -241,10 +238,8 @@ def test_a_batch_with_an_event_kind_this_version_does_not_know_is_dropped_alone(
         try:
             await engine.send(stored(A))
             await until(lambda: hit(policy, worker, A) == 8)
-            payload = msgspec.msgpack.encode([time.time(), [{"type": "BlockPinned", "block_hashes": [1]}], None])
-            engine.buffer.append((engine.seq, payload))
-            await engine.pub.send_multipart([TOPIC.encode(), pack_seq(engine.seq), payload])
-            engine.seq += 1
+            await engine.send_payload(msgspec.msgpack.encode(
+                [time.time(), [{"type": "BlockPinned", "block_hashes": [1]}], None]))
             await engine.send(stored(B))
             await until(lambda: hit(policy, worker, B) == 8)
             stats = policy.stats()
