@@ -109,10 +109,13 @@ def _from_legacy(raw: list) -> Event:
     """An array-encoded event; anything else (a map of a kind this version does not know, a
     newer engine's) is a ValueError, which drops its batch as undecodable."""
     kind = raw[0] if isinstance(raw, list) and raw else None
-    if kind == "BlockStored":
-        return BlockStored(raw[1], raw[2], raw[3], raw[4], *(raw[5:7]))
-    if kind == "BlockRemoved":
-        return BlockRemoved(raw[1], *(raw[2:3]))
+    try:
+        if kind == "BlockStored":
+            return BlockStored(raw[1], raw[2], raw[3], raw[4], *(raw[5:7]))
+        if kind == "BlockRemoved":
+            return BlockRemoved(raw[1], *(raw[2:3]))
+    except IndexError:
+        raise ValueError(f"KV event {kind} with {len(raw) - 1} fields") from None
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event {kind if kind is not None else raw!r:.100}")
@@ -129,7 +132,8 @@ def decode_in_parts(payload: bytes, size: int = 256) -> Iterator[list[Event]]:
     page size 1 (~1 us each to decode and as much to apply), which a consumer on an event
     loop spreads over several turns instead of stalling the loop for milliseconds. Batches
     under 32 KiB decode in one call, as ``decode_batch``; bigger ones are split undecoded
-    (``msgspec.Raw``) and each part decoded as one msgpack array."""
+    (``msgspec.Raw``) and each part decoded as one msgpack array. A part that does not
+    decode raises where it comes, after the parts before it."""
     if len(payload) <= _WHOLE_BYTES:
         yield decode_batch(payload).events
         return
