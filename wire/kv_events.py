@@ -141,9 +141,15 @@ def decode_in_parts(payload: bytes, size: int = 256) -> Iterator[list[Event]]:
     for start in range(0, len(raws), size):
         part = raws[start:start + size]
         try:
-            yield _events_decoder.decode(_array_header(len(part)) + b"".join(part))
-        except msgspec.ValidationError:  # legacy arrays
-            yield [_from_legacy(_any_decoder.decode(e)) for e in part]
+            events = _events_decoder.decode(_array_header(len(part)) + b"".join(part))
+        except msgspec.ValidationError:
+            events = _legacy_events(part)
+        yield events
+
+
+def _legacy_events(raws: list[msgspec.Raw]) -> list[Event]:
+    """Events in SGLang <= 0.5.19's arrays (or of a kind this version does not know)."""
+    return [_from_legacy(_any_decoder.decode(e)) for e in raws]
 
 
 def _array_header(n: int) -> bytes:
@@ -165,5 +171,4 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
     except msgspec.ValidationError:
         pass
     raw = _raw_decoder.decode(payload)
-    events = [_from_legacy(_any_decoder.decode(e)) for e in raw.events]
-    return EventBatch(raw.ts, events, raw.attn_dp_rank)
+    return EventBatch(raw.ts, _legacy_events(raw.events), raw.attn_dp_rank)
