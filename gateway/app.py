@@ -54,8 +54,10 @@ class GatewayState:
         self.cfg = cfg
         self.metrics = GatewayMetrics()
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
-        tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template)
+        tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
         self.encoder = PromptEncoder(tokenizer, cfg.tokenize_inline_chars) if tokenizer is not None else None
+        if self.encoder is not None:
+            self.metrics.tokenizer_stats = self.encoder.stats
         self.policy = load_policy(cfg.policy, **cfg.policy_options)
         # One policy per worker role: unified workers use the main policy; in PD mode the
         # prefill side defaults to it (prefix hits live on prefill) and decode to least load.

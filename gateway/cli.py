@@ -82,6 +82,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
                                            "--chat-template")
     g.add_argument("--tokenize-inline-chars", type=int,
                    help="prompts longer than this are tokenized on a thread pool, off the event loop (default 2048)")
+    g.add_argument("--tokenize-cache-mb", type=float,
+                   help="memory for the ids of recent prompts, so a prompt that extends one (a chat's next turn) is "
+                        "encoded only past the last special token they share (default 64; 0: off)")
     g.add_argument("--shutdown-grace-secs", type=float)
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 

@@ -62,6 +62,7 @@ class GatewayConfig:
     tokenizer: str | None = None  # "byte" for the simulator, or a model directory / tokenizer.json path
     chat_template: str | None = None  # a .jinja file overriding the model's (as SGLang's --chat-template)
     tokenize_inline_chars: int = 2048  # longer prompts are tokenized on a thread, off the event loop
+    tokenize_cache_mb: float = 64.0  # ids of recent prompts kept to encode only what a new one adds; 0: off
     strict_models: bool = True  # unknown model -> 404
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"

@@ -42,6 +42,10 @@ class PromptEncoder:
         self.offloaded += 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
 
+    def stats(self) -> dict[str, float]:
+        reuse = getattr(self.tokenizer, "reuse", None)
+        return {"prompts_off_loop_total": float(self.offloaded), **(reuse.stats() if reuse is not None else {})}
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

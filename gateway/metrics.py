@@ -24,6 +24,21 @@ class _PolicyCollector:
         yield fam
 
 
+class _TokenizerCollector:
+    """The gateway's tokenizer's numbers (``PromptEncoder.stats``), read at scrape time."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        fam = GaugeMetricFamily("kvgate_tokenizer_stat", "Numbers reported by the gateway's tokenizer (prefix "
+                                "reuse: wire.prefix_tokens)", labels=["stat"])
+        source = self.metrics.tokenizer_stats
+        for name, value in (source() if source is not None else {}).items():
+            fam.add_metric([name], float(value))
+        yield fam
+
+
 class _Children:
     """``metric.labels(...)`` validates, takes a lock and looks the child up on every call;
     the hot path uses a handful of label sets, so their children are kept here."""
@@ -76,6 +91,8 @@ class GatewayMetrics:
         self.ttft_of = _Children(self.ttft)
         self.policy_sources: list[tuple[str, Callable[[], Mapping[str, float]]]] = []
         r.register(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
+        self.tokenizer_stats: Callable[[], Mapping[str, float]] | None = None
+        r.register(_TokenizerCollector(self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

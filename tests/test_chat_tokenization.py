@@ -164,13 +164,19 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
             assert status == 200, out
             cached.append((n, out["usage"]["prompt_tokens_details"]["cached_tokens"]))
         stats = policy_stats(base)
-        off_loop = metric_value(get_text(base + "/metrics"), "kvgate_prompts_tokenized_off_loop")
+        metrics = get_text(base + "/metrics")
     finally:
         proc.stop()
     assert all(c > 0 for turn, c in cached if turn > 0), cached
     assert stats["fallback_requests_total"] == 0 and stats["hit_verified_requests_total"] == len(cached)
     assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0, stats
+    off_loop = metric_value(metrics, "kvgate_prompts_tokenized_off_loop")
     assert 0 < off_loop < len(cached)  # the long prompts went to the pool, the short ones did not
+    # later turns and the shared document were encoded past the prefix they share, and every
+    # reuse checked against the whole encoding agreed (the first ones all are)
+    tokenizer = {s: metric_value(metrics, "kvgate_tokenizer_stat", stat=f"tokenize_prefix_{s}")
+                 for s in ("reuses_total", "verified_total", "enabled", "reused_tokens_total")}
+    assert tokenizer["enabled"] == 1 and tokenizer["reuses_total"] >= 3 and tokenizer["verified_total"] >= 3, tokenizer
 
 
 def test_the_simulator_answers_tokenize_as_it_tokenizes_requests(models):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from wire.chat_template import ChatTemplate, apply_chat_template
+from wire.prefix_tokens import PrefixTokens, anchor_tokens
 
 log = logging.getLogger("kvgate.tokenizer")
 
@@ -84,9 +85,11 @@ class HFTokenizer:
     """A Hugging Face tokenizer read from local disk (never from a hub): a model directory
     (``tokenizer.json`` plus ``tokenizer_config.json`` and/or ``chat_template.jinja``) or a
     bare ``tokenizer.json``. ``chat_template`` overrides the model's template with a
-    ``.jinja`` file, read as SGLang reads its ``--chat-template``."""
+    ``.jinja`` file, read as SGLang reads its ``--chat-template``. ``reuse_bytes``: budget of
+    the ids kept to encode only what a prompt adds to a recent one (``wire.prefix_tokens``;
+    0: off)."""
 
-    def __init__(self, path: str, chat_template: str | None = None) -> None:
+    def __init__(self, path: str, chat_template: str | None = None, reuse_bytes: int = 64 << 20) -> None:
         from tokenizers import Tokenizer as _Tok  # optional dependency: the ``hf`` extra
 
         given = Path(path)
@@ -102,9 +105,32 @@ class HFTokenizer:
         if self.template is None:
             log.warning("no chat template for %s: chat requests are tokenized with kvgate's simulator template and "
                         "will not match the engine's ids (give the model directory or --chat-template)", path)
+        self.reuse: PrefixTokens | None = None
+        self._added_first: list[int] | None = None  # what special tokens add, where it is only a prefix
+        if reuse_bytes > 0 and self._tok.truncation is None and self._tok.padding is None:
+            added = self._tok.get_added_tokens_decoder()
+            anchors = anchor_tokens(added, [t.content for t in added.values() if t.content in source]
+                                    if source else None)
+            self.reuse = PrefixTokens(self._body, anchors, reuse_bytes)
+            self._added_first = self._special_prefix(list(anchors))
+
+    def _body(self, text: str) -> list[int]:
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _special_prefix(self, samples: list[str]) -> list[int] | None:
+        """The ids special tokens add before a text, if that is all they add (a BOS, as Llama's
+        template processor does), so a text prompt can reuse too; None if they add anything else."""
+        first = self._tok.encode("", add_special_tokens=True).ids
+        for text in ["a", "Hello world.", *samples, *(f"x {t} y" for t in samples)]:
+            if self._tok.encode(text, add_special_tokens=True).ids != first + self._body(text):
+                return None
+        return first
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if self.reuse is None or (add_special_tokens and self._added_first is None):
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = self.reuse.encode(text)
+        return self._added_first + ids if add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -153,11 +179,11 @@ def _template_source(root: Path, config: Mapping[str, Any], override: str | None
     return source if isinstance(source, str) and source else None
 
 
-def load_tokenizer(spec: str | None, chat_template: str | None = None) -> Tokenizer | None:
+def load_tokenizer(spec: str | None, chat_template: str | None = None, reuse_bytes: int = 64 << 20) -> Tokenizer | None:
     """``byte`` for the simulator's tokenizer, a model directory or tokenizer.json path for a
     Hugging Face one, None for none."""
     if not spec:
         return None
     if spec == "byte":
         return ByteTokenizer()
-    return HFTokenizer(spec, chat_template)
+    return HFTokenizer(spec, chat_template, reuse_bytes)
