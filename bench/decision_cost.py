@@ -232,9 +232,12 @@ def main() -> None:
         """(previous turn, next turn) pairs: the next turn is the previous prompt plus an
         answer and a new question (200 new tokens), as in a chat conversation. ``chat``: each
         request also carries a text, as a chat request does once the gateway has rendered and
-        tokenized it (``chat_text``)."""
+        tokenized it (``chat_text``), and its ids packed, as the gateway's tokenizer hands them
+        over (``wire.prefix_tokens``: a reused prefix is packed already)."""
         def view(rid: str, ids: list[int]) -> RequestView:
-            return RequestView(rid, "/generate", token_ids=ids, text=chat_text(ids) if chat else None)
+            if not chat:
+                return RequestView(rid, "/generate", token_ids=ids)
+            return RequestView(rid, "/generate", token_ids=ids, text=chat_text(ids), packed_ids=uint32_le(ids))
 
         out = []
         r = random.Random(args.seed + 99)
@@ -322,10 +325,13 @@ def main() -> None:
     results.append(row(f"kv_events select, next turn, each decision expiring the speculative entries of one "
                        f"{lag} decisions back (steady state)", steady_turns(kv.select, "e")))
     precise.expire(now=float("inf"))  # the rows below start without entries waiting to expire
-    results.append(row("kv_events select, next turn, chat request (its text beside the ids)",
+    results.append(row("kv_events select, next turn, chat request (its text and packed ids beside the ids)",
                        timed_turns(kv.select, "t", pairs=turns("t", chat=True))))
     precise.expire(now=float("inf"))
     results += pool_split("cost select, precise index, next turn", timed_turns(cost_precise.select, "c"), "c")
+    precise.expire(now=float("inf"))
+    results.append(row("cost select, precise index, next turn, chat request (its text and packed ids beside the ids)",
+                       timed_turns(cost_precise.select, "q", pairs=turns("q", chat=True))))
     precise.expire(now=float("inf"))
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))

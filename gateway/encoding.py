@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from wire.tokenizer import ByteTokenizer, ChatPrompt, Tokenizer
+from wire.tokenizer import ByteTokenizer, ChatPrompt, Encoded, Tokenizer
 
 
 class PromptEncoder:
@@ -26,15 +26,16 @@ class PromptEncoder:
         self._pool: ThreadPoolExecutor | None = None
         self.offloaded = 0  # prompts encoded on the pool (stat)
 
-    async def text(self, text: str) -> list[int]:
-        """Ids of a text prompt, special tokens added as the engine adds them."""
-        return await self._run(self.tokenizer.encode, text, len(text))
+    async def text(self, text: str) -> Encoded:
+        """Ids of a text prompt, special tokens added as the engine adds them (and packed, where
+        the tokenizer had them so)."""
+        return await self._run(self.tokenizer.encode_packed, text, len(text))
 
-    async def chat(self, prompt: ChatPrompt) -> list[int]:
-        """Ids of a rendered chat (its template wrote the special tokens)."""
-        return await self._run(self.tokenizer.encode_chat, prompt, len(prompt.text))
+    async def chat(self, prompt: ChatPrompt) -> Encoded:
+        """Ids of a rendered chat (its template wrote the special tokens), and packed likewise."""
+        return await self._run(self.tokenizer.encode_chat_packed, prompt, len(prompt.text))
 
-    async def _run(self, fn: Callable, arg: object, size: int) -> list[int]:
+    async def _run(self, fn: Callable, arg: object, size: int) -> Encoded:
         if size <= self.inline_chars:
             return fn(arg)
         if self._pool is None:

@@ -116,6 +116,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
     With an ``encoder`` the prompt is tokenized as the engine tokenizes it (``wire.tokenizer``)."""
     text: str | None = None
     token_ids: list[int] | None = None
+    packed: bytes | None = None
     if not with_prompt:
         pass
     elif route == CHAT and encoder is not None:
@@ -127,7 +128,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
             log.debug("chat template failed for %s, routing without token ids: %r", request_id, exc)
             text = apply_chat_template(body.messages or [])
         else:
-            text, token_ids = chat.text, await encoder.chat(chat)
+            text, (token_ids, packed) = chat.text, await encoder.chat(chat)
     elif route == CHAT:
         text = apply_chat_template(body.messages or [])
     elif route == COMPLETIONS:
@@ -145,7 +146,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
         else:
             text = _first(body.text)
     if token_ids is None and text is not None and encoder is not None:
-        token_ids = await encoder.text(text)
+        token_ids, packed = await encoder.text(text)
     sp = _first(body.sampling_params)
     max_tokens = body.max_tokens or body.max_completion_tokens or (sp.max_new_tokens if sp else None)
     return RequestView(
@@ -154,6 +155,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
         model=body.model,
         text=text,
         token_ids=token_ids,
+        packed_ids=packed,
         session_key=headers.get("X-Session-ID") or body.user,
         stream=body.stream,
         max_tokens=max_tokens,

@@ -61,6 +61,9 @@ class RequestView:
     model: str | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    # token_ids as uint32 little-endian where the gateway's tokenizer had them so (a reused
+    # prefix is packed already), so that the precise index need not pack them again
+    packed_ids: bytes | None = None
     session_key: str | None = None
     stream: bool = False
     max_tokens: int | None = None

@@ -141,7 +141,7 @@ def test_long_prompts_are_encoded_on_the_pool_with_the_same_ids(models):
 
 
 async def _both(encoder, short: str, long: str) -> list[list[int]]:
-    return [await encoder.text(short), await encoder.text(long)]
+    return [(await encoder.text(short))[0], (await encoder.text(long))[0]]
 
 
 @pytest.mark.parametrize("policy", ["kv_events", "cost"])

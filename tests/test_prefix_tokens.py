@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from simulator.tiny_tokenizer import TEMPLATES, build
 from wire.prefix_tokens import PrefixTokens, anchor_tokens
+from wire.hashing import uint32_le
 from wire.tokenizer import HFTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -61,6 +62,12 @@ def spm():
     return {kind: _sentencepiece_like(kind) for kind in ("metaspace", "legacy", "bytelevel")}
 
 
+def _mistral_template(tmp_path: Path) -> str:
+    path = tmp_path / "mistral.jinja"
+    path.write_text("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]</s>{% endfor %}")
+    return str(path)
+
+
 def _whole(tok):
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
@@ -85,8 +92,10 @@ def test_a_chat_turn_by_turn_gets_the_whole_encodings_ids(models, turns, edit, t
         if n == edit and len(messages) > 2:
             messages[1] = {**messages[1], "content": messages[1]["content"] + " edited"}
         prompt = whole.render_chat(messages)
-        assert reusing.encode_chat(prompt) == whole.encode_chat(prompt)
-        assert reusing.encode(prompt.text) == whole.encode(prompt.text)  # a text prompt: BOS added
+        for got, want in ((reusing.encode_chat_packed(prompt), whole.encode_chat(prompt)),
+                          (reusing.encode_packed(prompt.text), whole.encode(prompt.text))):  # a text prompt: BOS
+            assert got[0] == want
+            assert got[1] is None or got[1] == uint32_le(want)  # packed for the precise index, where it was
     stats = reusing.reuse.stats()
     assert stats["tokenize_prefix_enabled"] == 1 and stats["tokenize_prefix_reuses_total"] > 0, stats
 
@@ -97,7 +106,7 @@ def test_a_chat_turn_by_turn_gets_the_whole_encodings_ids(models, turns, edit, t
 def test_sentencepiece_style_splits_reuse_exactly(spm, parts, kind, data):
     """Mistral-style prompts grown a turn at a time, and others branching off an earlier turn."""
     tok = spm[kind]
-    anchors = anchor_tokens(tok.get_added_tokens_decoder())
+    anchors = anchor_tokens(tok.get_added_tokens_decoder(), SPECIALS)
     assert "<x>" not in anchors and "[INST]" in anchors  # single_word tokens are never cuts
     reuse = PrefixTokens(_whole(tok), anchors, min_chars=0)
     prompts = []
@@ -164,7 +173,7 @@ def test_text_prompts_reuse_only_where_special_tokens_add_a_prefix(tmp_path, spm
             single=single, special_tokens=[(t, tok.token_to_id(t)) for t in ("<s>", "</s>")])
         path = tmp_path / f"{name}.json"
         tok.save(str(path))
-        ours = HFTokenizer(str(path))
+        ours = HFTokenizer(str(path), chat_template=_mistral_template(tmp_path))
         ours.reuse.min_chars = 0
         assert (ours._added_first is not None) == prefix
         for n in range(3):
@@ -193,15 +202,23 @@ def test_prompts_encoded_on_the_pool_at_once_are_all_exact(models):
         got = asyncio.run(run())
     finally:
         encoder.close()
-    assert got == [whole.encode_chat(p) for p in prompts]
+    assert [ids for ids, _ in got] == [whole.encode_chat(p) for p in prompts]
+    assert all(packed is None or packed == uint32_le(ids) for ids, packed in got)
+    assert sum(packed is not None for _, packed in got) >= len(got) - 4  # all but the shortest: packed
     assert encoder.stats()["tokenize_prefix_reuses_total"] > 0
 
 
-def test_a_tokenizer_that_truncates_does_not_reuse(tmp_path, spm):
+def test_reuse_needs_a_template_and_a_tokenizer_that_does_not_truncate(tmp_path, spm):
     tok = spm["legacy"]
+    plain, truncating = tmp_path / "plain.json", tmp_path / "truncating.json"
+    tok.save(str(plain))
     tok.enable_truncation(64)
-    path = tmp_path / "truncating.json"
-    tok.save(str(path))
+    tok.save(str(truncating))
     tok.no_truncation()
-    assert HFTokenizer(str(path)).reuse is None
-    assert json.loads(path.read_text())["truncation"]["max_length"] == 64
+    template = _mistral_template(tmp_path)
+    assert json.loads(truncating.read_text())["truncation"]["max_length"] == 64
+    assert set(HFTokenizer(str(plain), chat_template=template).reuse._anchors) == {
+        (b"[INST]", tok.token_to_id("[INST]")), (b"[/INST]", tok.token_to_id("[/INST]")),
+        (b"</s>", tok.token_to_id("</s>"))}  # the template's own, and not the BOS it writes by name
+    assert HFTokenizer(str(truncating), chat_template=template).reuse is None
+    assert HFTokenizer(str(plain)).reuse is None  # no template: no special tokens known to cut at

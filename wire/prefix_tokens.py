@@ -59,16 +59,16 @@ class _Entry:
         self.size = ids.itemsize * len(ids) + _KEY_BYTES * len(keys)
 
 
-def anchor_tokens(added: Mapping[int, Any], wanted: Sequence[str] | None = None) -> dict[str, int]:
+def anchor_tokens(added: Mapping[int, Any], wanted: Sequence[str]) -> dict[str, int]:
     """The added tokens a prompt can be cut before (text -> id), from ``get_added_tokens_decoder``:
-    see the module's docstring for the conditions. ``wanted``: only these texts (a chat
-    template's own), else every special token."""
+    see the module's docstring for the conditions. ``wanted``: the texts to consider, a chat
+    template's own (a model may have hundreds of reserved ones; each is searched for in every
+    prompt)."""
     contents = [t.content for t in added.values() if t.content]
     out: dict[str, int] = {}
     for i, tok in added.items():
         c = tok.content
-        if (not c or tok.normalized or tok.lstrip or tok.rstrip or tok.single_word
-                or (wanted is not None and c not in wanted) or (wanted is None and not tok.special)):
+        if not c or c not in wanted or tok.normalized or tok.lstrip or tok.rstrip or tok.single_word:
             continue
         if any(d != c and _share_text(c, d) for d in contents):
             continue
@@ -105,8 +105,14 @@ class PrefixTokens:
         self.reused_tokens = self.encoded_tokens = 0
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_packed(text)[0]
+
+    def encode_packed(self, text: str) -> tuple[list[int], array | None]:
+        """The ids, and the same ids packed as ``array("I")`` where they were (the precise index
+        matches packed ids: a reused prefix is packed already). The array is shared: do not
+        change it."""
         if not self.enabled or len(text) < self.min_chars:
-            return self._encode(text)
+            return self._encode(text), None
         data = text.encode("utf-8")
         found = self._found(data)
         cuts = _cuts(found)
@@ -139,11 +145,11 @@ class PrefixTokens:
                 self.encoded_tokens += len(rest)
                 check = self.reuses <= self.verify_first or self.reuses % self.verify_every == 0
             if check and (whole := self._differs(text, ids, k)) is not None:
-                return whole
+                return whole, None
         if places:
             with self._lock:
                 self._insert(_Entry(packed, keys[:len(places)], places))
-        return ids
+        return ids, packed
 
     def _found(self, data: bytes) -> list[tuple[int, int]]:
         """(byte offset, token id) of every anchor in the text, in order."""

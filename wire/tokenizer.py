@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from wire.chat_template import ChatTemplate, apply_chat_template
+from wire.hashing import uint32_le
 from wire.prefix_tokens import PrefixTokens, anchor_tokens
 
 log = logging.getLogger("kvgate.tokenizer")
@@ -48,10 +51,19 @@ class ChatPrompt:
     continued: str | None = None
 
 
+# Ids, and the same ids as uint32 little-endian bytes (``wire.hashing.uint32_le``) where the
+# tokenizer had them packed already, so that the precise index need not pack them again.
+Encoded = tuple[list[int], bytes | None]
+
+
 class Tokenizer(Protocol):
     name: str
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> Encoded: ...
+
+    def encode_chat_packed(self, prompt: ChatPrompt) -> Encoded: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -80,6 +92,12 @@ class ByteTokenizer:
     def encode_chat(self, prompt: ChatPrompt) -> list[int]:
         return self.encode(prompt.text)
 
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> Encoded:
+        return self.encode(text), None
+
+    def encode_chat_packed(self, prompt: ChatPrompt) -> Encoded:
+        return self.encode(prompt.text), None
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer read from local disk (never from a hub): a model directory
@@ -107,12 +125,12 @@ class HFTokenizer:
                         "will not match the engine's ids (give the model directory or --chat-template)", path)
         self.reuse: PrefixTokens | None = None
         self._added_first: list[int] | None = None  # what special tokens add, where it is only a prefix
-        if reuse_bytes > 0 and self._tok.truncation is None and self._tok.padding is None:
-            added = self._tok.get_added_tokens_decoder()
-            anchors = anchor_tokens(added, [t.content for t in added.values() if t.content in source]
-                                    if source else None)
+        if reuse_bytes > 0 and source and self._tok.truncation is None and self._tok.padding is None:
+            added = self._tok.get_added_tokens_decoder()  # cut at the template's own special tokens
+            anchors = anchor_tokens(added, [t.content for t in added.values() if t.content in source])
             self.reuse = PrefixTokens(self._body, anchors, reuse_bytes)
             self._added_first = self._special_prefix(list(anchors))
+        self._added_packed = array("I", self._added_first or [])
 
     def _body(self, text: str) -> list[int]:
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
@@ -127,10 +145,16 @@ class HFTokenizer:
         return first
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode_packed(text, add_special_tokens)[0]
+
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> Encoded:
         if self.reuse is None or (add_special_tokens and self._added_first is None):
-            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        ids = self.reuse.encode(text)
-        return self._added_first + ids if add_special_tokens else ids
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids, None
+        ids, packed = self.reuse.encode_packed(text)
+        if add_special_tokens and self._added_first:
+            ids = self._added_first + ids
+            packed = self._added_packed + packed if packed is not None else None
+        return ids, _little_endian(packed)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -144,11 +168,25 @@ class HFTokenizer:
         return ChatPrompt(text, continued)
 
     def encode_chat(self, prompt: ChatPrompt) -> list[int]:
-        ids = self.encode(prompt.text, add_special_tokens=False)
+        return self.encode_chat_packed(prompt)[0]
+
+    def encode_chat_packed(self, prompt: ChatPrompt) -> Encoded:
+        ids, packed = self.encode_packed(prompt.text, add_special_tokens=False)
         if prompt.continued:  # SGLang encodes the continued text on its own, BOS dropped
             more = self.encode(prompt.continued)
-            ids += more[1:] if more and more[0] == self.bos_token_id else more
-        return ids
+            more = more[1:] if more and more[0] == self.bos_token_id else more
+            ids += more
+            packed = packed + uint32_le(more) if packed is not None else None
+        return ids, packed
+
+
+def _little_endian(packed: array | None) -> bytes | None:
+    if packed is None:
+        return None
+    if sys.byteorder != "little":
+        packed = array("I", packed)
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
