@@ -304,12 +304,16 @@ class KvEventFeed:
         finally:
             if fd is not None:
                 loop.remove_reader(fd)
+            if raw_monitor is not None:
+                # Before the monitor's reading end closes: libzmq's I/O thread sends each event
+                # with a blocking send while holding a lock that disable_monitor (and close)
+                # take, so a disconnect reported after the reader is gone hung stop() for good.
+                sub.disable_monitor()
             if watcher is not None:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await watcher
             if raw_monitor is not None:
-                sub.disable_monitor()
                 raw_monitor.close(0)
             sub.close(0)
 
