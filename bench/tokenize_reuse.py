@@ -14,7 +14,12 @@ history. The tokenizer is ``simulator.tiny_tokenizer``'s byte-level BPE with the
 template (~1 us per token here; a large-vocabulary model's is faster per character, so the
 absolute savings are smaller in proportion, the ratio similar).
 
+``--chats N --turns T`` replaces the trace with N synthetic conversations of T turns, sent
+round robin (turn t of every chat, then turn t + 1): each turn is the last one's messages plus
+an answer and a new question (one block each), as a chat application sends them.
+
     PYTHONPATH=$PWD python bench/tokenize_reuse.py [--limit 800 --budget-mb 64 --template llama3]
+    PYTHONPATH=$PWD python bench/tokenize_reuse.py --chats 50 --turns 20
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import cpu_name  # noqa: E402
-from bench.trace import DEFAULT_TRACE, block_text, load_trace  # noqa: E402
+from bench.trace import DEFAULT_TRACE, TraceRecord, block_text, load_trace  # noqa: E402
 from simulator.tiny_tokenizer import build  # noqa: E402
 from wire.tokenizer import HFTokenizer  # noqa: E402
 
@@ -51,9 +56,15 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=800)
     ap.add_argument("--budget-mb", type=float, default=64)
     ap.add_argument("--template", default="llama3", choices=("llama3", "chatml"))
+    ap.add_argument("--chats", type=int, default=0, help="synthetic conversations instead of the trace")
+    ap.add_argument("--turns", type=int, default=20)
     args = ap.parse_args()
 
-    records = load_trace(args.trace, args.limit)
+    if args.chats:
+        records = [TraceRecord(0, 0, 0, [c * 10_000 + b for b in range(2 * t + 1)])
+                   for t in range(args.turns) for c in range(args.chats)]
+    else:
+        records = load_trace(args.trace, args.limit)
     seen: set[tuple[int, ...]] = set()  # the bound: blocks shared with any earlier request, no budget
     shared = blocks = 0
     for r in records:
@@ -83,7 +94,8 @@ def main() -> None:
 
     print(f"- machine: {cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}")
-    print(f"- command: `PYTHONPATH=$PWD python bench/tokenize_reuse.py --limit {args.limit} "
+    source = f"--chats {args.chats} --turns {args.turns}" if args.chats else f"--limit {args.limit}"
+    print(f"- command: `PYTHONPATH=$PWD python bench/tokenize_reuse.py {source} "
           f"--budget-mb {args.budget_mb:g} --template {args.template}`")
     print(f"- {len(records)} requests, {tokens:,} prompt tokens ({tokens / len(records):,.0f} a request); "
           f"every request's ids identical both ways")
@@ -93,7 +105,7 @@ def main() -> None:
           f"{stats.get('tokenize_prefix_verified_total', 0):.0f} also encoded whole to check, "
           f"{stats.get('tokenize_prefix_entries', 0):.0f} entries, "
           f"{stats.get('tokenize_prefix_bytes', 0) / (1 << 20):.1f} MiB at the end")
-    print(f"- bound: {shared / blocks:.1%} of the trace's blocks (messages here) extend a prefix an earlier request "
+    print(f"- bound: {shared / blocks:.1%} of the blocks (messages here) extend a prefix an earlier request "
           f"sent (every earlier request kept, no budget)\n")
     print("| tokenizer | total CPU s | mean ms | p50 ms | p90 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|---|---|")
