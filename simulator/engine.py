@@ -92,7 +92,9 @@ class Engine:
               "chunked_prefill_size": args.chunked_prefill_size, "context_length": args.context_length}
         self.profile = get_profile(args.profile, **ov)
         self.model_path = args.model_path or self.profile.model_path
-        self.tokenizer = load_tokenizer(args.tokenizer, args.chat_template) if args.tokenizer else ByteTokenizer()
+        # (whole prompts, as SGLang encodes them: the reference the gateway's prefix reuse is checked against)
+        self.tokenizer = (load_tokenizer(args.tokenizer, args.chat_template, reuse_bytes=0) if args.tokenizer
+                          else ByteTokenizer())
         self.page_size = args.page_size
         self.mode = args.disaggregation_mode
         self.engine_type = "unified" if self.mode == "null" else self.mode
