@@ -113,7 +113,10 @@ class PrefixTokens:
         change it."""
         if not self.enabled or len(text) < self.min_chars:
             return self._encode(text), None
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: whatever the tokenizer makes of it
+            return self._encode(text), None
         found = self._found(data)
         cuts = _cuts(found)
         keys = _prefix_digests(data, [found[c][0] for c in cuts])
