@@ -16,7 +16,10 @@ normalizer look at that). A token qualifies as a cut (``anchors``) when that spl
 to happen wherever its text occurs: matched on raw text (``normalized`` false), taking no
 whitespace around it (``lstrip``/``rstrip`` false), not ``single_word``, and sharing no
 text with another added token (neither inside the other nor overlapping at an end). The
-tokenizer must not truncate or pad.
+tokenizer must not truncate or pad. ``wire.tokenizer`` offers the chat template's own special
+tokens; of a cluster of them (a message's end and the next header) only the first is a cut.
+Where each cut's token sits in the ids is found by lining every anchor in the text up with
+the next occurrence of its id, so clustered anchors that are not cuts keep their own places.
 
 What is argued is also checked: the first ``verify_first`` reuses and one in
 ``verify_every`` after are encoded whole as well and compared; a difference turns reuse off
@@ -27,7 +30,8 @@ a copy of the hash state per cut), mapped to the entry that holds its ids and th
 place there; the deepest cut a recent prompt shares wins. Entries hold ids packed (4 bytes
 a token) under one byte budget, least recently used out first; an entry whose every cut
 was taken over by a newer prompt that extends it (the next turn) is dropped at once, so a
-conversation keeps one entry, not one per turn.
+conversation keeps one entry, not one per turn. Measured in ``bench/tokenize_reuse.py``
+(bench/RESULTS.md): 0.15 of the tokenizer's CPU on 20-turn chats, 0.78 on the Mooncake trace.
 """
 
 from __future__ import annotations
