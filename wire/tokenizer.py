@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,7 +153,7 @@ class HFTokenizer:
         if add_special_tokens and self._added_first:
             ids = self._added_first + ids
             packed = self._added_packed + packed if packed is not None else None
-        return ids, _little_endian(packed)
+        return ids, uint32_le(packed) if packed is not None else None
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -178,15 +177,6 @@ class HFTokenizer:
             ids += more
             packed = packed + uint32_le(more) if packed is not None else None
         return ids, packed
-
-
-def _little_endian(packed: array | None) -> bytes | None:
-    if packed is None:
-        return None
-    if sys.byteorder != "little":
-        packed = array("I", packed)
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
