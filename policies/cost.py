@@ -99,6 +99,7 @@ from policies.prefix_index import NO_HIT, IndexMatch, PrefixIndex, Tiers
 # Share of ``max_new_tokens`` a request's KV is booked at: the engine reserves part of it at
 # admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
 _OUTPUT_SHARE = 0.5
+_INF = float("inf")
 
 
 @dataclass(slots=True)
@@ -222,12 +223,21 @@ class Cost(Policy):
             out[i] = self._hit_cost(url, tiers, b, *state)
         return out
 
-    def _backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> _Backlogs:
+    def _backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch,
+                  exact: bool = True) -> _Backlogs:
         """Every worker's cost with no hit; where the hits are, for ``_hit_cost``. Split so
         ``select`` can take the cheapest miss with ``min`` and price only the few workers
         that hold part of the prompt. The rows come from ``FleetBacklog`` (kept across
         decisions); this prices what moves with the clock and with this request's size:
-        engine queues still draining, and the KV wait where the request does not fit."""
+        engine queues still draining, and the KV wait where the request does not fit.
+
+        The KV wait is the costly part (a walk of the worker's release schedule), and on a
+        saturated fleet every worker has one. A worker's queue wait bounds its cost from
+        below, so with ``exact`` false (``select``, which needs only the cheapest) a worker
+        whose queue alone costs more than the cheapest found so far keeps that bound as its
+        base and is not priced further: ``min(bases)`` and its place stay what pricing
+        everyone gives, the other bases may be low. Only workers with a queue wait are
+        skipped, so ``busy`` (which counts KV waits on idle queues) stays exact."""
         prompt = float(request.prompt_tokens_estimate)
         now = time.monotonic()
         output = _OUTPUT_SHARE * self._out_ratio * float(
@@ -257,23 +267,46 @@ class Cost(Policy):
                                    (waits[i], decode[i], kvs[i], caps[i]))
             everyone = match.everyone if scale == 1.0 else Tiers(*(x * scale for x in match.everyone))
         tight = fleet.tight(need)
-        for _, i in tight:  # the KV wait, where this request does not fit
-            kv, cap = kvs[i], caps[i]
-            if kv + need > cap:
-                wait = waits[i]
-                over = self.memory_wait(fleet.urls[i], kv + need - cap, now, wait)
-                if over > wait:
-                    if not wait > 0.0:
-                        busy += 1
-                    bases[i] = over + decode[i]
+        short = [i for _, i in tight if kvs[i] + need > caps[i]] if tight else tight  # where it does not fit
+        queued = None
+        if short and not exact:
+            queued = {i for i in short if waits[i] > 0.0}
+            if queued:
+                short = [i for i in short if i not in queued]
+        for i in short:  # the KV wait, where this request does not fit
+            wait = waits[i]
+            over = self.memory_wait(fleet.urls[i], kvs[i] + need - caps[i], now, wait)
+            if over > wait:
+                if not wait > 0.0:
+                    busy += 1
+                bases[i] = over + decode[i]
+        if queued:
+            # Cheapest base first, where a worker in ``queued`` stands at its queue wait, a
+            # lower bound: priced when it could still be the cheapest, and from the first
+            # that cannot, none can.
+            cheapest = _INF
+            for i in sorted(range(len(bases)), key=bases.__getitem__):
+                bound = bases[i]
+                if bound > cheapest:
+                    break
+                if i in queued:
+                    over = self.memory_wait(fleet.urls[i], kvs[i] + need - caps[i], now, waits[i])
+                    if over > waits[i]:
+                        bases[i] = over + decode[i]
+                if bases[i] < cheapest:
+                    cheapest = bases[i]
         rows = None
         if everyone.total:
             # Every worker can load the pool's pages. One holding no more costs its base plus
             # the same for all, except where its KV is short (``tight``), so only the least
-            # backlog and those are priced here, beside the workers holding more.
+            # backlog and those are priced here, beside the workers holding more. Unless
+            # ``exact``, a tight worker whose queue alone costs more than the least backlog
+            # with its KV wait is left out: with the same pages loaded it costs more still.
             urls = fleet.urls
             rows = (urls, waits, decode, kvs, caps)
-            for i in chain((bases.index(min(bases)),), map(itemgetter(1), tight)):
+            least = bases.index(min(bases))
+            bound = _INF if exact or urls[least] in hit_at else bases[least]
+            for i in chain((least,), [i for _, i in tight if not waits[i] + decode[i] > bound]):
                 if urls[i] not in hit_at:
                     hit_at[urls[i]] = (i, everyone, (waits[i], decode[i], kvs[i], caps[i]))
         full = self.prefill_tokens(prompt, 0.0) * self._inv_prefill
@@ -394,9 +427,10 @@ class Cost(Policy):
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
-        b = self._backlogs(request, workers, self._match(request, workers))
+        match = self._match(request, workers)
         if self.temperature > 0 and len(workers) > 1:
-            return self._select_scored(request, workers, b)
+            return self._select_scored(request, workers, self._backlogs(request, workers, match))
+        b = self._backlogs(request, workers, match, exact=False)
         # Every miss adds the same prefill, so the cheapest miss is the least backlog and only
         # the workers holding part of the prompt need pricing one by one.
         bases = b.bases
@@ -409,7 +443,7 @@ class Cost(Policy):
             score = (score, j)
             if j == i:
                 if score > miss:  # a hit priced above a miss (a slow pool): no shortcut
-                    return self._select_scored(request, workers, b)
+                    return self._select_scored(request, workers, self._backlogs(request, workers, match))
                 if score <= best:  # the same worker: its hit stands for its miss
                     best, cost = score, hit
             elif score < best:
