@@ -283,15 +283,21 @@ class Cost(Policy):
         if queued:
             # Cheapest base first, where a worker in ``queued`` stands at its queue wait, a
             # lower bound: priced when it could still be the cheapest, and from the first
-            # that cannot, none can.
+            # that cannot, none can. Before its schedule is walked, the time its first
+            # booked request ends (a tighter bound, two reads) may already rule it out.
             cheapest = _INF
             for i in sorted(range(len(bases)), key=bases.__getitem__):
                 bound = bases[i]
                 if bound > cheapest:
                     break
                 if i in queued:
-                    over = self.memory_wait(fleet.urls[i], kvs[i] + need - caps[i], now, waits[i])
-                    if over > waits[i]:
+                    url, wait = fleet.urls[i], waits[i]
+                    first = self.memory_first(url, now, wait) + decode[i]
+                    if first > cheapest:  # no KV frees there before the cheapest: a bound will do
+                        bases[i] = first
+                        continue
+                    over = self.memory_wait(url, kvs[i] + need - caps[i], now, wait)
+                    if over > wait:
                         bases[i] = over + decode[i]
                 if bases[i] < cheapest:
                     cheapest = bases[i]
@@ -389,6 +395,14 @@ class Cost(Policy):
         if releases is None or not releases.lives:
             return 0.0
         return releases.wait(over, now, queue_wait, self._tpot.get(url, self.default_tpot_s))
+
+    def memory_first(self, url: str, now: float, queue_wait: float) -> float:
+        """A lower bound on ``memory_wait`` for any shortfall: until the worker's first booked
+        request is expected to end (``KvReleases.first``)."""
+        releases = self._kv.get(url)
+        if releases is None or not releases.lives:
+            return 0.0
+        return releases.first(now, queue_wait, self._tpot.get(url, self.default_tpot_s))
 
     def _score(self, cost: tuple[float, float, float], weight: float) -> float:
         """What the choice minimises: the TTFT, plus (``weight``, see ``weight``) the prefill

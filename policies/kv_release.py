@@ -102,6 +102,18 @@ class KvReleases:
                 best = start + offsets[-1] if not ends or start + offsets[-1] > ends[-1] else ends[-1]
         return best - now if best > now else 0.0
 
+    def first(self, now: float, queue_wait: float, tpot: float) -> float:
+        """Seconds until the first booked request is expected to end: no KV comes back
+        sooner, so ``wait`` is at least this for any ``over`` > 0 (a bound that costs two
+        reads, where ``wait`` walks the schedule)."""
+        if self._tpot != tpot:
+            self._sort(tpot)
+        ends, offsets = self._started.keys, self._queued.keys
+        best = ends[0] if ends else now  # (nothing booked: nothing to wait for, as in ``wait``)
+        if offsets and (not ends or now + queue_wait + offsets[0] < best):
+            best = now + queue_wait + offsets[0]
+        return best - now if best > now else 0.0
+
     def _with_queued(self, over: float, start: float, alone: float) -> float:
         """The earliest time by which, for some k >= 1, the k earliest-ending queued
         requests have ended and started ones have freed the rest (``alone``: k = 0).

@@ -341,6 +341,46 @@ def test_select_takes_the_lowest_score_of_predict(data):
     assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_select_on_a_saturated_fleet_takes_the_lowest_score_of_predict(data):
+    """Every worker's KV pool full, so the request waits for KV everywhere; ``select``
+    prices those waits cheapest queue first and rules workers out by when their first
+    booked request ends, and must still land on ``predict``'s minimum: bookings started
+    at different times, some still queued, each worker with its own time per token."""
+    import policies.cost as cost_module
+
+    clock = _SteppingClock(0.0)
+    real_time, cost_module.time = cost_module.time, clock
+    try:
+        policy = Cost(index="approx", prefill_tokens_per_s=data.draw(st.sampled_from([2_000.0, 25_000.0])),
+                      tpot_s=data.draw(st.sampled_from([0.001, 0.03])), hold_wait_s=0.0)
+        n = data.draw(st.integers(2, 8), label="workers")
+        ws = [WorkerView(f"http://127.0.0.1:{8500 + i}", load=EngineLoad(used_tokens=10_000, max_tokens=10_000))
+              for i in range(n)]
+        for i, w in enumerate(ws):
+            for r in range(data.draw(st.integers(1, 5), label=f"booked on {i}")):
+                clock.now += data.draw(st.floats(0, 2) | st.just(0.0), label="time passes")
+                booked = RequestView(f"b{i}-{r}", "/generate",
+                                     token_ids=[1] * data.draw(st.integers(100, 3000), label="prompt"),
+                                     max_tokens=data.draw(st.integers(10, 500), label="max_tokens"))
+                policy.on_routed(booked, w)
+                state = data.draw(st.sampled_from(["queued", "started", "started", "done"]), label="state")
+                if state != "queued":
+                    policy.on_first_token(booked, w)
+                if state == "done":  # teaches this worker its time per token
+                    clock.now += data.draw(st.floats(0, 5), label="decoding")
+                    policy.on_complete(booked, w, Outcome(ok=True, completion_tokens=data.draw(st.integers(2, 500))))
+        clock.now += data.draw(st.floats(0, 3), label="time passes")
+        probe = RequestView("probe", "/generate", token_ids=[2] * data.draw(st.integers(1, 4000) | st.just(50), label="probe"),
+                            max_tokens=data.draw(st.integers(1, 500), label="probe max_tokens"))
+        _, scores = policy.scored(probe, ws, IndexMatch())
+        chosen = policy.select(probe, ws)
+        assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
+    finally:
+        cost_module.time = real_time
+
+
 def _hold_setup(**kw) -> tuple[Cost, list[WorkerView], list[RequestView]]:
     """Two workers, each with ~2 s of prefill queued (50k tokens at 25k tokens/s)."""
     policy = Cost(attention_tokens=0, decode_cost_s=0.0, hold_wait_s=0.5, **kw)
@@ -426,7 +466,8 @@ def _walk(lives, over: float, now: float, queue_wait: float, tpot: float) -> flo
 @given(st.data())
 def test_kv_release_schedule_answers_as_the_full_sort_does(data):
     """``KvReleases`` keeps its sort across questions and bisects; whatever the bookings,
-    first tokens, completions and time per token in between, each answer is the walk's."""
+    first tokens, completions and time per token in between, each answer is the walk's
+    (and ``first``, the bound ``select`` prunes with, is the walk's first end)."""
     from policies.cost import _Live
     from policies.kv_release import KvReleases
 
@@ -454,6 +495,8 @@ def test_kv_release_schedule_answers_as_the_full_sort_does(data):
             tpot = data.draw(st.sampled_from([0.01, 0.03]), label="tpot")
             now += data.draw(st.floats(0, 2, allow_nan=False), label="time passes")
             assert releases.wait(over, now, wait, tpot) == _walk(releases.lives.values(), over, now, wait, tpot)
+            # the bound select prunes with: the first end, what any shortfall waits at least
+            assert releases.first(now, wait, tpot) == _walk(releases.lives.values(), 1e-9, now, wait, tpot)
 
 
 class _BusyProbe(Cost):
