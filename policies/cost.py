@@ -235,7 +235,8 @@ class Cost(Policy):
         saturated fleet every worker has one. A worker's queue wait bounds its cost from
         below, so with ``exact`` false (``select``, which needs only the cheapest) a worker
         whose queue alone costs more than the cheapest found so far keeps that bound as its
-        base and is not priced further: ``min(bases)`` and its place stay what pricing
+        base and is not priced further, nor is one whose first booked request ends after
+        that cheapest (``memory_first``): ``min(bases)`` and its place stay what pricing
         everyone gives, the other bases may be low. Only workers with a queue wait are
         skipped, so ``busy`` (which counts KV waits on idle queues) stays exact."""
         prompt = float(request.prompt_tokens_estimate)
