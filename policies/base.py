@@ -44,6 +44,18 @@ class WorkerView:
     bootstrap_port: int | None = None
     server_info: Mapping[str, Any] = field(default_factory=dict)
 
+    # Bumped whenever any view's ``load`` or ``server_info`` is replaced, so a policy that
+    # keeps figures per worker (``policies.fleet_backlog``) learns in one read that no
+    # report changed since it last looked, instead of reading all 64 on every decision.
+    # In-place changes to either object are not seen (nor were they before: reports are
+    # replaced whole, by the gateway's poller).
+    reports: ClassVar[int] = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "load" or name == "server_info":
+            WorkerView.reports += 1
+
     @property
     def host(self) -> str:
         rest = self.url.split("://", 1)[-1]
