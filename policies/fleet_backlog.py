@@ -15,14 +15,16 @@ was when this worker's report was first seen (``avg``), not as it drifts after e
 routing: the report counts requests queued before it, and the drift would otherwise touch
 every row on every decision.
 
-With a gateway's traffic between decisions the saving shrinks (bench/RESULTS.md, "Routing
-decision cost"): a decision still reads every worker's report to find the replaced ones,
-and recomputes the rows its traffic changed.
+A decision reads the workers' reports only when some view's was replaced since the last
+(``WorkerView.reports``), to find which: the poller replaces a few a second, decisions come
+hundreds of times as often. With a gateway's traffic between decisions the saving shrinks
+(bench/RESULTS.md, "Routing decision cost"): a decision recomputes the rows its traffic
+changed.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count
@@ -80,14 +82,16 @@ class Fleet:
     base: list[float]
     draining: set[int] = field(default_factory=set)
     headroom: list[tuple[float, int]] = field(default_factory=list)  # (cap - kv, position), sorted
+    room: list[float] = field(default_factory=list)  # headroom's first items, to bisect on floats
     busy: int = 0  # settled positions with a wait
     from_info: set[int] = field(default_factory=set)  # capacity from server_info (no load figure)
     dirty: set[str] = field(default_factory=set)  # urls whose bookings changed
     now: float = float("-inf")  # the last decision's clock
+    reports: int = -1  # ``WorkerView.reports`` when the rows last read the reports; -1: read them every time
 
     def tight(self, need: float) -> list[tuple[float, int]]:
         """Positions with less KV room than ``need`` (and a few just above, for rounding)."""
-        return self.headroom[:bisect_left(self.headroom, (need + 1.0,))]
+        return self.headroom[:bisect_left(self.room, need + 1.0)]
 
 
 class FleetBacklog:
@@ -127,13 +131,16 @@ class FleetBacklog:
             del self._fleets[self.max_fleets:]
         else:
             # ``views`` equals ``fleet.views`` (by value where they are not the same objects)
-            loads = list(map(_load, fleet.views))
-            if loads != fleet.loads:  # a poll replaced some reports (equal ones count as unchanged)
-                for i in compress(count(), map(is_not, loads, fleet.loads)):
-                    self._row(fleet, i)
-            if fleet.from_info:
-                for i in [i for i in fleet.from_info if fleet.views[i].server_info is not fleet.infos[i]]:
-                    self._row(fleet, i)
+            if fleet.reports < 0 or fleet.reports != WorkerView.reports:  # some report was replaced
+                if fleet.reports >= 0:
+                    fleet.reports = WorkerView.reports
+                loads = list(map(_load, fleet.views))
+                if loads != fleet.loads:  # a poll replaced some (equal ones count as unchanged)
+                    for i in compress(count(), map(is_not, loads, fleet.loads)):
+                        self._row(fleet, i)
+                if fleet.from_info:
+                    for i in [i for i in fleet.from_info if fleet.views[i].server_info is not fleet.infos[i]]:
+                        self._row(fleet, i)
             if fleet.dirty:
                 if len(fleet.pos) == len(fleet.urls):
                     for url in fleet.dirty:
@@ -161,6 +168,8 @@ class FleetBacklog:
             pos.setdefault(url, i)  # a url listed twice: its first place, as hits are found
         fleet = Fleet(views, urls, pos, [None] * n, [_NO_INFO] * n, [0.0] * n, [0.0] * n, [_INF] * n,
                       [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+        if all(isinstance(w, WorkerView) for w in views):  # (others' replacements are not counted)
+            fleet.reports = WorkerView.reports
         for i in range(n):
             self._row(fleet, i, fresh=True)
         return fleet
@@ -178,8 +187,8 @@ class FleetBacklog:
             elif fleet.wait[i] > 0.0:
                 fleet.busy -= 1
             if fleet.cap[i]:
-                headroom = fleet.headroom
-                del headroom[bisect_left(headroom, (fleet.cap[i] - fleet.kv[i], i))]
+                at = bisect_left(fleet.headroom, (fleet.cap[i] - fleet.kv[i], i))
+                del fleet.headroom[at], fleet.room[at]
         book = self.book.get(url, IDLE)
         queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
         done = -_INF
@@ -218,4 +227,6 @@ class FleetBacklog:
         elif wait > 0.0:
             fleet.busy += 1
         if capacity:
-            insort(fleet.headroom, (capacity - kv, i))
+            at = bisect_left(fleet.headroom, (capacity - kv, i))
+            fleet.headroom.insert(at, (capacity - kv, i))
+            fleet.room.insert(at, capacity - kv)

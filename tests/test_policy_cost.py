@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -548,6 +549,17 @@ def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
     return bases, hits, busy
 
 
+@dataclass(slots=True)
+class _PlainView:
+    """A worker view a plugin's caller built itself: replacing its report bumps no
+    ``WorkerView.reports``, so ``FleetBacklog`` must read every report on every decision."""
+
+    url: str
+    role: str = "unified"
+    load: EngineLoad | None = None
+    server_info: dict = field(default_factory=dict)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
@@ -560,7 +572,8 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                         engine_load=data.draw(st.sampled_from(["drain", "max", "off"]), label="engine_load"),
                         memory=data.draw(st.booleans(), label="memory"))
     n = data.draw(st.integers(1, 4), label="workers")
-    fleet = [WorkerView(f"http://127.0.0.1:{8400 + i}", server_info={"max_total_num_tokens": 3000}) for i in range(n)]
+    view = data.draw(st.sampled_from([WorkerView, _PlainView]), label="view type")
+    fleet = [view(f"http://127.0.0.1:{8400 + i}", server_info={"max_total_num_tokens": 3000}) for i in range(n)]
     avg_at: dict = {}
     live: list[tuple[RequestView, WorkerView]] = []
     standing = list(fleet)
@@ -619,6 +632,8 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                 want = _backlogs_by_definition(policy, probe, chosen, match, clock.now, avg_at)
                 b = policy._backlogs(probe, chosen, match)
                 assert (b.bases, b.hits, policy.busy) == want
+                for kept in policy._rows._fleets:  # what ``Fleet.tight`` bisects stays sorted and in step
+                    assert kept.headroom == sorted(kept.headroom) and kept.room == [r for r, _ in kept.headroom]
     finally:
         cost_module.time = real_time
 
