@@ -100,6 +100,7 @@ from policies.prefix_index import NO_HIT, IndexMatch, PrefixIndex, Tiers
 # admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
 _OUTPUT_SHARE = 0.5
 _INF = float("inf")
+_exp = math.exp
 
 
 @dataclass(slots=True)
@@ -345,13 +346,15 @@ class Cost(Policy):
         if self._busy_at is None or self.load_window_s <= 0:  # nothing to average yet
             self.busy_share = share
         else:
-            keep = math.exp(-max(now - self._busy_at, 0.0) / self.load_window_s)
+            since = now - self._busy_at
+            keep = _exp(-since / self.load_window_s) if since > 0.0 else 1.0
             self.busy_share = share + (self.busy_share - share) * keep
         self._busy_at = now
         rho = self.busy_share
         if rho >= 1.0 or not self._full_odds:
             return self.work_weight
-        return self.work_weight * min(1.0, rho / (1.0 - rho) / self._full_odds)
+        odds = rho / (1.0 - rho) / self._full_odds
+        return self.work_weight * odds if odds < 1.0 else self.work_weight
 
     def _hit_cost(self, url: str, tiers: Tiers, b: _Backlogs, wait: float, decode: float, kv: float,
                   capacity: float) -> tuple[float, float, float]:
@@ -448,10 +451,12 @@ class Cost(Policy):
         b = self._backlogs(request, workers, match, exact=False)
         # Every miss adds the same prefill, so the cheapest miss is the least backlog and only
         # the workers holding part of the prompt need pricing one by one.
-        bases = b.bases
+        bases, prompt = b.bases, b.prompt
         i = bases.index(min(bases))
-        cost = (bases[i] + b.full, b.prompt, 0.0)
-        miss = best = (self._score(cost, b.weight), i)
+        cost = (bases[i] + b.full, prompt, 0.0)
+        # ``_score(cost, b.weight)``, spelled out: the same operations, so the same float
+        k = b.weight / self.prefill_tps if b.weight else 0.0
+        miss = best = (cost[0] + k * prompt * (1.0 + (0.0 + prompt / 2.0) * self.inv_attention) if k else cost[0], i)
         priced = self._hit_priced
         for url, (j, tiers, state) in b.hits.items():
             score, hit = priced(url, tiers, b, *state)
