@@ -86,7 +86,6 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import itemgetter
 
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.cache_aware import make_radix, make_verifier
@@ -115,9 +114,6 @@ class _Live:
     first_token_at: float | None = None
 
 
-_TIERS = itemgetter(1)  # the Tiers of a ``_Backlogs.hits`` entry
-
-
 @dataclass(slots=True)
 class _Backlogs:
     """One request's view of the fleet before hit credits (see ``Cost._backlogs``)."""
@@ -132,6 +128,7 @@ class _Backlogs:
     # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off)): the workers
     # to price with a hit, which with a prompt in the shared pool are those holding more
     # than ``everyone`` and the few others that could be the cheapest (see ``_backlogs``)
+    most: float  # the most of the prompt one of ``hits`` holds (what ``diverted`` counts from)
     everyone: Tiers = NO_HIT  # what any worker reuses (the pool's leading pages, a prefix all hold)
     rows: tuple[list[str], list[float], list[float], list[float], list[float]] | None = None
     # (urls, waits, decode, KV, capacity) of every worker, to price ``everyone`` anywhere
@@ -255,6 +252,7 @@ class Cost(Policy):
                 bases[i] = wait + decode[i]
             busy += len(draining)
         hit_at: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]] = {}
+        most = 0.0  # the most of the prompt any of them holds
         kvs, caps = fleet.kv, fleet.cap
         everyone = NO_HIT
         if (match.hits or match.everyone.total) and not self.verifier.degraded:
@@ -265,8 +263,12 @@ class Cost(Policy):
             for url, t in match.hits.items():
                 i = pos.get(url)
                 if i is not None:
-                    hit_at[url] = (i, t if scale == 1.0 else Tiers(*(x * scale for x in t)),
-                                   (waits[i], decode[i], kvs[i], caps[i]))
+                    if scale != 1.0:
+                        t = Tiers(*(x * scale for x in t))
+                    hit_at[url] = (i, t, (waits[i], decode[i], kvs[i], caps[i]))
+                    held = t[0] + t[1] + t[2]
+                    if held > most:
+                        most = held
             everyone = match.everyone if scale == 1.0 else Tiers(*(x * scale for x in match.everyone))
         tight = fleet.tight(need)
         short = [i for _, i in tight if kvs[i] + need > caps[i]] if tight else tight  # where it does not fit
@@ -317,9 +319,11 @@ class Cost(Policy):
             for i in chain((least,), [i for _, i in tight if not waits[i] + decode[i] > bound]):
                 if urls[i] not in hit_at:
                     hit_at[urls[i]] = (i, everyone, (waits[i], decode[i], kvs[i], caps[i]))
+                    if everyone.total > most:
+                        most = everyone.total
         full = self.prefill_tokens(prompt, 0.0) * self._inv_prefill
         self.last_weight = weight = self.weight(busy, len(bases), now)
-        return _Backlogs(prompt, full, output, now, bases, weight, hit_at, everyone, rows)
+        return _Backlogs(prompt, full, output, now, bases, weight, hit_at, min(most, prompt), everyone, rows)
 
     def weight(self, busy: int, workers: int, now: float) -> float:
         """The work weight when ``busy`` of ``workers`` have prefill (or a KV wait) queued:
@@ -525,10 +529,9 @@ class Cost(Policy):
         up for a shorter wait: the one number that says what balance costs in hits)."""
         ttft, uncached, cached = cost
         if b.hits:
-            best = min(max(map(sum, map(_TIERS, b.hits.values()))), b.prompt)  # Tiers.total, in C
-            if best > cached:
+            if b.most > cached:
                 self.diverted += 1
-                self.diverted_tokens += best - cached
+                self.diverted_tokens += b.most - cached
         self.index.record(request, chosen)
         self._picked[request.request_id] = (chosen.url, self.prefill_tokens(uncached, cached))
         if len(self._picked) > 100_000:

@@ -337,9 +337,12 @@ def test_select_takes_the_lowest_score_of_predict(data):
             if data.draw(st.booleans()):
                 policy.on_first_token(booked, w)
     probe = RequestView("probe", "/generate", token_ids=prompt, max_tokens=100)
-    _, scores = policy.scored(probe, ws, index.match(probe, ws))
+    costs, scores = policy.scored(probe, ws, index.match(probe, ws))
     chosen = policy.select(probe, ws)
     assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
+    # ``diverted`` counts the hit given up: the most any worker would reuse, less the chosen's
+    cached, most = costs[ws.index(chosen.worker)][2], max(c[2] for c in costs)
+    assert (policy.diverted, policy.diverted_tokens) == ((1, most - cached) if most > cached else (0, 0.0))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
