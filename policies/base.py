@@ -46,9 +46,9 @@ class WorkerView:
 
     # Bumped whenever any view's ``load`` or ``server_info`` is replaced, so a policy that
     # keeps figures per worker (``policies.fleet_backlog``) learns in one read that no
-    # report changed since it last looked, instead of reading all 64 on every decision.
-    # In-place changes to either object are not seen (nor were they before: reports are
-    # replaced whole, by the gateway's poller).
+    # report changed since it last looked, instead of reading every worker's on every
+    # decision. Changes made inside either object are not counted: the gateway's poller
+    # replaces them whole.
     reports: ClassVar[int] = 0
 
     def __setattr__(self, name: str, value: Any) -> None:

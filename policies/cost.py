@@ -458,9 +458,10 @@ class Cost(Policy):
         bases, prompt = b.bases, b.prompt
         i = bases.index(min(bases))
         cost = (bases[i] + b.full, prompt, 0.0)
-        # ``_score(cost, b.weight)``, spelled out: the same operations, so the same float
-        k = b.weight / self.prefill_tps if b.weight else 0.0
-        miss = best = (cost[0] + k * prompt * (1.0 + (0.0 + prompt / 2.0) * self.inv_attention) if k else cost[0], i)
+        score = cost[0]  # ``_score(cost, b.weight)`` spelled out: the same operations, the same float
+        if b.weight:
+            score += b.weight / self.prefill_tps * prompt * (1.0 + (0.0 + prompt / 2.0) * self.inv_attention)
+        miss = best = (score, i)
         priced = self._hit_priced
         for url, (j, tiers, state) in b.hits.items():
             score, hit = priced(url, tiers, b, *state)

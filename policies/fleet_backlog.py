@@ -131,7 +131,7 @@ class FleetBacklog:
             del self._fleets[self.max_fleets:]
         else:
             # ``views`` equals ``fleet.views`` (by value where they are not the same objects)
-            if fleet.reports < 0 or fleet.reports != WorkerView.reports:  # some report was replaced
+            if fleet.reports != WorkerView.reports:  # some report was replaced (or views not counted: -1)
                 if fleet.reports >= 0:
                     fleet.reports = WorkerView.reports
                 loads = list(map(_load, fleet.views))
