@@ -9,7 +9,7 @@ and prints them beside what ``simulator.cost_model`` predicts:
 
 - prefill: one forward pass of ``n`` new tokens (``logits_to_keep=1``, as an engine samples
   only the last position), alone and after a cached prefix; and the attention term by
-  itself on the flash kernel (the model's ``n*c + n*n/2`` term);
+  itself on the flash and cuDNN kernels (the model's ``n*c + n*n/2`` term);
 - decode: the two halves of a step, measured apart and captured in CUDA graphs so launch
   overhead does not count: every weight matrix multiplied by a batch of ``b`` tokens (what
   streams the weights), and attention of ``b`` one-token queries over their KV;
@@ -109,10 +109,11 @@ def prefill_rows(model, cm: CostModel, torch) -> list[tuple]:
 
 
 def attention_rows(cfg, cm: CostModel, torch) -> list[tuple]:
-    """The attention term of prefill alone, on the flash kernel: new tokens attending to a
-    cached prefix and to each other (bottom-right causal, as an engine's extend kernel
-    does). The model forward above cannot show it apart: with a cache, transformers hands
-    SDPA an explicit mask, which rules out the flash kernel."""
+    """The attention term of prefill alone: new tokens attending to a cached prefix and to
+    each other (bottom-right causal, as an engine's extend kernel does), on PyTorch's flash
+    kernel (FlashAttention-2 class) and on cuDNN's (Hopper-specific on an H100, the class of
+    FA3, SGLang's default there). The model forward above cannot show it apart: with a
+    cache, transformers hands SDPA an explicit mask, which rules out the flash kernel."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -121,23 +122,48 @@ def attention_rows(cfg, cm: CostModel, torch) -> list[tuple]:
     d = cfg.hidden_size // heads
     p = cm.profile
     rows = []
-    for n, c in ((8192, 0), (1024, 7168), (2048, 14336), (512, 15872)):
-        bf = {"device": "cuda", "dtype": torch.bfloat16}
-        q = torch.randn(1, heads, n, d, **bf)
-        # Key/value heads repeated to the query heads: the flash kernel's GQA support varies
-        # by version, and prefill attention is bound by FLOPs, not by reading K and V.
-        k = torch.randn(1, kv_heads, n + c, d, **bf).repeat_interleave(heads // kv_heads, dim=1)
-        v = torch.randn_like(k)
-        mask = causal_lower_right(n, n + c)
-
-        def attend(q=q, k=k, v=v, mask=mask):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                for _ in range(layers):
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        ms = cuda_ms(attend)
-        pred = 4.0 * p.n_layers * p.q_dim * (n * c + n * n / 2.0) / p.tp / p.eff_flops * 1000
-        rows.append((f"prefill attention only, {n} new after {c} cached (flash)", ms, pred,
-                     4.0 * p.n_layers * p.q_dim * (n * c + n * n / 2.0) / ms / 1e9))  # TFLOP/s
+    for backend, label in ((SDPBackend.FLASH_ATTENTION, "flash"), (SDPBackend.CUDNN_ATTENTION, "cudnn")):
+        for n, c in ((8192, 0), (1024, 7168), (2048, 14336), (512, 15872)):
+            bf = {"device": "cuda", "dtype": torch.bfloat16}
+            q = torch.randn(1, heads, n, d, **bf)
+            # Key/value heads repeated to the query heads: GQA support varies by kernel and
+            # version, and prefill attention is bound by FLOPs, not by reading K and V.
+            k = torch.randn(1, kv_heads, n + c, d, **bf).repeat_interleave(heads // kv_heads, dim=1)
+            v = torch.randn_like(k)
+            # With no cached prefix, bottom-right causal is plain causal, which every kernel
+            # takes; with one, the bias object where the kernel takes it, else a dense mask.
+            # Apart: the prefix with no mask plus the new tokens causal, two calls (what one
+            # fused extend kernel does, less the merge of the two halves' outputs).
+            bias = causal_lower_right(n, n + c)
+            dense = torch.ones(n, n + c, dtype=torch.bool, device="cuda").tril(c)
+            tries = ([("", dict(is_causal=True))] if c == 0 else
+                     [("", dict(attn_mask=bias)), (" dense mask", dict(attn_mask=dense))])
+            variants = [tries] + ([[(" apart", None)]] if c else [])
+            halves = (k[:, :, :c].contiguous(), v[:, :, :c].contiguous(),
+                      k[:, :, c:].contiguous(), v[:, :, c:].contiguous())
+            for variant in variants:
+                for how, kw in variant:
+                    def attend(q=q, k=k, v=v, kw=kw, halves=halves):
+                        with sdpa_kernel(backend):
+                            for _ in range(layers):
+                                if kw is None:
+                                    F.scaled_dot_product_attention(q, halves[0], halves[1])
+                                    F.scaled_dot_product_attention(q, halves[2], halves[3], is_causal=True)
+                                else:
+                                    F.scaled_dot_product_attention(q, k, v, **kw)
+                    try:
+                        ms = cuda_ms(attend)
+                    except RuntimeError as exc:  # no kernel of this backend takes these inputs
+                        print(f"{label}{how}, {n} new after {c} cached: {str(exc).splitlines()[0][:160]}",
+                              flush=True)
+                        continue
+                    flops = 4.0 * p.n_layers * p.q_dim * (n * c + n * n / 2.0)
+                    pred = flops / p.tp / p.eff_flops * 1000
+                    rows.append((f"prefill attention only, {n} new after {c} cached ({label}{how})", ms, pred,
+                                 flops / ms / 1e9))  # TFLOP/s
+                    break
+            del q, k, v, dense, halves
+            torch.cuda.empty_cache()
     return rows
 
 
