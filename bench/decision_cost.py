@@ -314,6 +314,10 @@ def main() -> None:
     reqs = [nxt for _, nxt in turns("w")]
     results.append(row("precise index match (BlockIndex.match: pack the ids, walk the trie)",
                        timed(precise.match, reqs, workers)))
+    # The same requests again, each after all the others: what a held request costs when the
+    # gateway decides it again (the index left its packed ids on it the first time).
+    results.append(row("precise index match again, others matched in between (a held request decided again)",
+                       timed(precise.match, reqs, workers)))
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
     # Untimed first: the first select row run twice read 80 then 60 us (the process's first
     # decisions pay one-off costs, and a gateway in service has paid them); their entries expire.

@@ -74,7 +74,8 @@ class RequestView:
     text: str | None = None
     token_ids: list[int] | None = None
     # token_ids as uint32 little-endian where the gateway's tokenizer had them so (a reused
-    # prefix is packed already), so that the precise index need not pack them again
+    # prefix is packed already), so that the precise index need not pack them again; the
+    # index leaves here what it packed, for the request's next decision (held, retried)
     packed_ids: bytes | None = None
     session_key: str | None = None
     stream: bool = False
