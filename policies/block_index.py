@@ -791,23 +791,12 @@ class BlockIndex:
 
     def _prompt(self, request: RequestView) -> list:
         """[tokens, packed ids (None if some id is no uint32), SHA chains by page size] of the
-        last request seen: select and record both need them, one right after the other.
-
-        Ids packed here are also left on the request (``packed_ids``). A request the gateway
-        holds is decided again at later first tokens and completions, other requests'
-        decisions in between; without that it would pack its whole prompt each time (~6 ns
-        a token: 0.8 ms for the trace's longest, which are the ones held longest)."""
+        last request seen: select and record both need them, one right after the other."""
         tokens = request.token_ids or []
         got = self._last_prompt
         # The cache holds the token list itself, so identity cannot be a recycled id().
         if got[0] is not tokens or got[3] != request.cache_salt:
-            packed = request.packed_ids
-            if packed is None or len(packed) != 4 * len(tokens):
-                try:
-                    packed = request.packed_ids = uint32_le(tokens)
-                except (OverflowError, TypeError):
-                    packed = None
-            got = self._last_prompt = [tokens, packed, {}, request.cache_salt]
+            got = self._last_prompt = [tokens, request.packed(), {}, request.cache_salt]
         return got
 
     def hashes_for(self, request: RequestView, page_size: int) -> list[int]:

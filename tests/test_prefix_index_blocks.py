@@ -213,15 +213,14 @@ def test_page_size_comes_from_the_events_when_server_info_lacks_it():
 def test_a_request_decided_again_is_not_packed_again(monkeypatch):
     """A held request is matched again after others were: the ids it packed the first time
     stay on the request, and the second match reads them (and still finds the same)."""
-    import policies.block_index as block_index
+    import policies.base as base
 
     packs = []
-    real = block_index.uint32_le
-    monkeypatch.setattr(block_index, "uint32_le", lambda ids: packs.append(len(ids)) or real(ids))
+    real = base.uint32_le
+    monkeypatch.setattr(base, "uint32_le", lambda ids: packs.append(len(ids)) or real(ids))
     index = BlockIndex(speculative_ttl_s=30)
     first = list(range(8))
     index.apply(URLS[0], BlockStored(page_hashes(first, PS), None, first, PS))
-    packs.clear()  # the event's own tokens
     held, other = req(first + [50, 51], rid="held"), req([1, 2, 3, 4], rid="other")
     before = index.match(held, WORKERS).hits
     index.match(other, WORKERS)
