@@ -340,6 +340,8 @@ def main() -> None:
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))
     results.append(row("cost select, approx index (match + insert)", timed_turns(cost_approx.select, "d")))
+    results.append(row("cost select, approx index, chat request (its text and packed ids beside the ids)",
+                       timed_turns(cost_approx.select, "x", pairs=turns("x", chat=True))))
     # One block reported without token ids is enough to turn on the SHA fallback for every walk.
     precise.expire(now=float("inf"))
     precise.store(workers[0].url, [12345], None, 0, ps)
