@@ -314,6 +314,10 @@ def main() -> None:
     reqs = [nxt for _, nxt in turns("w")]
     results.append(row("precise index match (BlockIndex.match: pack the ids, walk the trie)",
                        timed(precise.match, reqs, workers)))
+    # The same requests again, each after all the others: what a held request costs when the
+    # gateway decides it again (the index left its packed ids on it the first time).
+    results.append(row("precise index match again, others matched in between (a held request decided again)",
+                       timed(precise.match, reqs, workers)))
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
     # Untimed first: the first select row run twice read 80 then 60 us (the process's first
     # decisions pay one-off costs, and a gateway in service has paid them); their entries expire.
@@ -336,6 +340,8 @@ def main() -> None:
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))
     results.append(row("cost select, approx index (match + insert)", timed_turns(cost_approx.select, "d")))
+    results.append(row("cost select, approx index, chat request (its text and packed ids beside the ids)",
+                       timed_turns(cost_approx.select, "x", pairs=turns("x", chat=True))))
     # One block reported without token ids is enough to turn on the SHA fallback for every walk.
     precise.expire(now=float("inf"))
     precise.store(workers[0].url, [12345], None, 0, ps)

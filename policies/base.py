@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from wire.hashing import uint32_le
+
 
 @dataclass(slots=True)
 class EngineLoad:
@@ -74,7 +76,7 @@ class RequestView:
     text: str | None = None
     token_ids: list[int] | None = None
     # token_ids as uint32 little-endian where the gateway's tokenizer had them so (a reused
-    # prefix is packed already), so that the precise index need not pack them again
+    # prefix is packed already), so that an index need not pack them again (``packed``)
     packed_ids: bytes | None = None
     session_key: str | None = None
     stream: bool = False
@@ -83,6 +85,21 @@ class RequestView:
     headers: Mapping[str, str] = field(default_factory=dict)
     may_hold: bool = False  # the gateway accepts ``Hold`` for this decision
     held_s: float = 0.0  # how long the gateway has held this request so far
+
+    def packed(self) -> bytes | None:
+        """``token_ids`` as uint32 little-endian (None if some id is no uint32): ``packed_ids``
+        where they are these ids, else packed now and left there. A request the gateway holds
+        is decided again at later first tokens and completions, with other requests'
+        decisions in between; it packs its prompt once, not each time (~6 ns a token: 0.8 ms
+        for the trace's longest prompts, which are the ones held longest)."""
+        tokens = self.token_ids or []
+        packed = self.packed_ids
+        if packed is None or len(packed) != 4 * len(tokens):
+            try:
+                packed = self.packed_ids = uint32_le(tokens)
+            except (OverflowError, TypeError):
+                return None
+        return packed
 
     @property
     def prompt_tokens_estimate(self) -> int:

@@ -796,13 +796,7 @@ class BlockIndex:
         got = self._last_prompt
         # The cache holds the token list itself, so identity cannot be a recycled id().
         if got[0] is not tokens or got[3] != request.cache_salt:
-            packed = request.packed_ids
-            if packed is None or len(packed) != 4 * len(tokens):
-                try:
-                    packed = uint32_le(tokens)
-                except (OverflowError, TypeError):
-                    packed = None
-            got = self._last_prompt = [tokens, packed, {}, request.cache_salt]
+            got = self._last_prompt = [tokens, request.packed(), {}, request.cache_salt]
         return got
 
     def hashes_for(self, request: RequestView, page_size: int) -> list[int]:

@@ -48,10 +48,11 @@ def _common_len(edge: str, key: str, pos: int) -> int:
     return common_units(key, pos, edge, 0, min(len(edge), len(key) - pos))
 
 
-def tokens_key(token_ids: Sequence[int]) -> str:
-    """One code point per token id, via a C-speed UTF-32 decode of the packed ids."""
+def tokens_key(token_ids: Sequence[int], packed: bytes | None = None) -> str:
+    """One code point per token id, via a C-speed UTF-32 decode of the packed ids
+    (``packed``: the same ids packed already)."""
     try:
-        return uint32_le(token_ids).decode("utf-32-le", "surrogatepass")
+        return (uint32_le(token_ids) if packed is None else packed).decode("utf-32-le", "surrogatepass")
     except (UnicodeDecodeError, OverflowError):  # ids past U+10FFFF: fold, collisions are harmless
         return "".join(chr(t % 0x110000) for t in token_ids)
 
@@ -92,7 +93,7 @@ class RadixIndex:
             return last[2]
         if source is not None and source is request.token_ids:
             prefix = f"\x00t{request.cache_salt or ''}\x00"
-            got = (prefix + tokens_key(source), len(prefix), "tokens")
+            got = (prefix + tokens_key(source, request.packed()), len(prefix), "tokens")
         else:
             prefix = f"\x00s{request.cache_salt or ''}\x00"
             got = (prefix + (source or ""), len(prefix), "chars")

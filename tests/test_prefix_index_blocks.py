@@ -208,3 +208,22 @@ def test_page_size_comes_from_the_events_when_server_info_lacks_it():
     index.apply(URLS[0], BlockStored(page_hashes(tokens, 8), None, tokens, 8))
     assert index.page_size_of(worker) == 8
     assert index.match(req(tokens), [worker]).get(URLS[0]).gpu == 16
+
+
+def test_a_request_decided_again_is_not_packed_again(monkeypatch):
+    """A held request is matched again after others were: the ids it packed the first time
+    stay on the request, and the second match reads them (and still finds the same)."""
+    import policies.base as base
+
+    packs = []
+    real = base.uint32_le
+    monkeypatch.setattr(base, "uint32_le", lambda ids: packs.append(len(ids)) or real(ids))
+    index = BlockIndex(speculative_ttl_s=30)
+    first = list(range(8))
+    index.apply(URLS[0], BlockStored(page_hashes(first, PS), None, first, PS))
+    held, other = req(first + [50, 51], rid="held"), req([1, 2, 3, 4], rid="other")
+    before = index.match(held, WORKERS).hits
+    index.match(other, WORKERS)
+    assert index.match(held, WORKERS).hits == before and before[URLS[0]].gpu == 8
+    assert packs == [10, 4]
+    assert held.packed_ids == real(held.token_ids)

@@ -134,3 +134,26 @@ def test_token_ids_salt_and_text_do_not_share_prefixes():
     assert not index.match(req(tokens=[104, 101, 108], salt="s"), WORKERS).hits
     index.record(req(tokens=[10**7, 5]), w)  # ids past the code point range still index
     assert index.match(req(tokens=[10**7, 5, 6]), WORKERS).hits[w.url].gpu == 2
+
+
+def test_token_keys_take_the_packed_ids_and_pack_a_request_once(monkeypatch):
+    """Ids packed already (the gateway's tokenizer) key the tree as the ids do; a request
+    matched again after another (held, then decided again) is not packed again."""
+    import policies.base as base
+
+    packs = []
+    real = base.uint32_le
+    monkeypatch.setattr(base, "uint32_le", lambda ids: packs.append(len(ids)) or real(ids))
+    index = RadixIndex(key="auto")
+    w = WORKERS[0]
+    index.record(RequestView("a", "/generate", token_ids=[5, 6, 7, 8], packed_ids=real([5, 6, 7, 8])), w)
+    assert packs == []
+    held = RequestView("held", "/generate", token_ids=[5, 6, 7, 9, 10])
+    other = RequestView("other", "/generate", token_ids=[5, 6, 1])
+    assert index.match(held, WORKERS).hits[w.url].gpu == 3
+    assert index.match(other, WORKERS).hits[w.url].gpu == 2
+    assert index.match(held, WORKERS).hits[w.url].gpu == 3
+    assert packs == [5, 3]
+    # Packed ids that are not these ids (another length) are not trusted.
+    stale = RequestView("stale", "/generate", token_ids=[5, 6, 7, 8, 1], packed_ids=real([9, 9]))
+    assert index.match(stale, WORKERS).hits[w.url].gpu == 4
