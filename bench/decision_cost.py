@@ -318,6 +318,7 @@ def main() -> None:
     # gateway decides it again (the index left its packed ids on it the first time).
     results.append(row("precise index match again, others matched in between (a held request decided again)",
                        timed(precise.match, reqs, workers)))
+    reqs = [nxt for _, nxt in turns("w")]  # the same prompts, not packed yet (as a first decision)
     results.append(row("approx index walk (RadixIndex.match)", timed(radix.match, reqs, workers)))
     # Untimed first: the first select row run twice read 80 then 60 us (the process's first
     # decisions pay one-off costs, and a gateway in service has paid them); their entries expire.
