@@ -228,13 +228,16 @@ def main() -> None:
     mem_radix = rss_mib() - base
 
     # -- requests: the next turn of a random conversation ------------------------------
-    def turns(tag: str, chat: bool = False) -> list[tuple[RequestView, RequestView]]:
+    def turns(tag: str, chat: bool = False, packed: bool = False) -> list[tuple[RequestView, RequestView]]:
         """(previous turn, next turn) pairs: the next turn is the previous prompt plus an
         answer and a new question (200 new tokens), as in a chat conversation. ``chat``: each
         request also carries a text, as a chat request does once the gateway has rendered and
         tokenized it (``chat_text``), and its ids packed, as the gateway's tokenizer hands them
-        over (``wire.prefix_tokens``: a reused prefix is packed already)."""
+        over (``wire.prefix_tokens``: a reused prefix is packed already). ``packed``: ids sent
+        by the client, handed over packed as ``gateway.request.read_body`` reads them."""
         def view(rid: str, ids: list[int]) -> RequestView:
+            if packed:
+                return RequestView(rid, "/generate", token_ids=ids, packed_ids=uint32_le(ids))
             if not chat:
                 return RequestView(rid, "/generate", token_ids=ids)
             return RequestView(rid, "/generate", token_ids=ids, text=chat_text(ids), packed_ids=uint32_le(ids))
@@ -337,6 +340,9 @@ def main() -> None:
     precise.expire(now=float("inf"))
     results.append(row("cost select, precise index, next turn, chat request (its text and packed ids beside the ids)",
                        timed_turns(cost_precise.select, "q", pairs=turns("q", chat=True))))
+    precise.expire(now=float("inf"))
+    results.append(row("cost select, precise index, next turn, ids sent by the client, packed by the gateway "
+                       "(read_body)", timed_turns(cost_precise.select, "g", pairs=turns("g", packed=True))))
     precise.expire(now=float("inf"))
     results.append(row("kv_events select, first sight of a prompt", timed_turns(kv.select, "f", warm=False)))
     results.append(row("cache_aware select, approx index (match + insert)", timed_turns(ca.select, "a")))

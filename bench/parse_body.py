@@ -1,6 +1,8 @@
 """What reading a request body costs the gateway, typed one-prompt decoding against the
 general path alone (every body decoded loosely, ids checked in Python), interleaved in one
-process so the machine's drift hits both alike.
+process so the machine's drift hits both alike. A second table: bodies whose ids a client
+sends turn after turn (an RL rollout), read with a recent list's prefix (``read_body`` with
+``wire.prefix_ids``) against decoding them whole and packing them as the index then must.
 
     PYTHONPATH=$PWD python bench/parse_body.py [--rounds 2000]
 """
@@ -23,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gateway.request as request  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
-from gateway.request import CHAT, COMPLETIONS, GENERATE, parse_body  # noqa: E402
+from gateway.request import CHAT, COMPLETIONS, GENERATE, parse_body, read_body  # noqa: E402
+from wire.hashing import uint32_le  # noqa: E402
+from wire.prefix_ids import RecentIds  # noqa: E402
 
 
 class _General:
@@ -80,6 +84,52 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, size, t, g in rows:
         print(f"| {name} | {size:,} | {t:.1f} | {g:.1f} | {t / g:.2f} |")
+    print()
+    print("Ids a client sends turn after turn: read and packed (uint32 LE) as the index needs them")
+    print()
+    print("| body | bytes | decoded whole, then packed | read_body with recent lists | ratio |")
+    print("|---|---|---|---|---|")
+    for name, prev, raw in rollout_cases(random.Random(2)):
+        times = {"whole": [], "recent": []}
+        recent = RecentIds()
+        for k in range(args.rounds):
+            if prev is not None:
+                read_body(prev, GENERATE, recent)  # the turn before, read as the gateway read it
+            else:  # first sight: a warm cache of other rollouts, none this one's
+                recent = RecentIds()
+                for other in warm:
+                    read_body(other, GENERATE, recent)
+            for label in (("whole", "recent") if k % 2 else ("recent", "whole")):
+                t0 = time.perf_counter_ns()
+                if label == "whole":
+                    uint32_le(parse_body(raw, GENERATE).input_ids)
+                else:
+                    read_body(raw, GENERATE, recent)
+                times[label].append((time.perf_counter_ns() - t0) / 1000)
+        w, r = statistics.median(times["whole"]), statistics.median(times["recent"])
+        print(f"| {name} | {len(raw):,} | {w:.1f} | {r:.1f} | {r / w:.2f} |")
+
+
+def _ids_body(ids: list[int]) -> bytes:
+    return json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 256, "temperature": 1.0}}).encode()
+
+
+def rollout_cases(rng: random.Random) -> list[tuple[str, bytes | None, bytes]]:
+    """(row, the body of the turn before or None, the body timed)."""
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(150_000) for _ in range(n)]
+
+    out = []
+    for n, add in ((2_400, 200), (15_500, 500)):
+        prev = ids(n)
+        out.append((f"next turn: {n:,} ids sent before, {add} more", _ids_body(prev), _ids_body(prev + ids(add))))
+    same = ids(2_600)
+    out.append(("the same 2,600 ids again (a GRPO group's next sample)", _ids_body(same), _ids_body(same)))
+    out.append(("first sight: 2,600 ids, 16 other rollouts kept", None, _ids_body(ids(2_600))))
+    return out
+
+
+warm = [_ids_body([random.Random(i).randrange(150_000) for _ in range(2_600)]) for i in range(16)]
 
 
 if __name__ == "__main__":

@@ -31,11 +31,12 @@ from gateway.process_metrics import ProcessCollector
 from gateway.ratelimit import RateLimiter, check_rate
 from gateway.pd import PDProxy, pd_policies
 from gateway.proxy import Proxy
-from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, parse_body, request_id_from
+from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, read_body, request_id_from
 from gateway.upstream import make_session
 from gateway.workers import WorkerRegistry
 from policies.base import Policy
 from policies.loader import load_policy
+from wire.prefix_ids import RecentIds
 from wire.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvgate")
@@ -56,8 +57,6 @@ class GatewayState:
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
         self.encoder = PromptEncoder(tokenizer, cfg.tokenize_inline_chars) if tokenizer is not None else None
-        if self.encoder is not None:
-            self.metrics.tokenizer_stats = self.encoder.stats
         self.policy = load_policy(cfg.policy, **cfg.policy_options)
         # One policy per worker role: unified workers use the main policy; in PD mode the
         # prefill side defaults to it (prefix hits live on prefill) and decode to least load.
@@ -65,6 +64,12 @@ class GatewayState:
         if cfg.pd_disaggregation:
             self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
         self.needs_prompt = any(p.needs_prompt for p in self.policies.values())
+        # ids that clients send, kept to decode only what a next turn adds (wire.prefix_ids)
+        self.recent_ids = RecentIds(int(cfg.ids_cache_mb * (1 << 20))) \
+            if self.needs_prompt and cfg.ids_cache_mb > 0 else None
+        sources = [s.stats for s in (self.encoder, self.recent_ids) if s is not None]
+        if sources:
+            self.metrics.tokenizer_stats = lambda: {k: v for f in sources for k, v in f().items()}
         self.drain = Drain(OPEN_PATHS)
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps) \
             if cfg.rate_limit_rps > 0 else None
@@ -208,14 +213,14 @@ def generation_handler(route: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         state: GatewayState = request.app[STATE]
         raw = await _read_body(request, state.cfg.max_payload_size)
-        body = parse_body(raw, route)
+        body, packed = read_body(raw, route, state.recent_ids)
         if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
         started = time.perf_counter()
         async with state.admission.slot():  # before tokenizing: a refused request costs no encode
             view = await build_view(body, route, request.headers, request_id_from(request.headers), state.encoder,
-                                    state.needs_prompt)
+                                    state.needs_prompt, packed)
             response = await state.proxy.forward(request, view, raw, body)
         state.metrics.latency_of(route).observe(time.perf_counter() - started)
         return normalized(response)  # an engine's error, in the gateway's shape

@@ -85,6 +85,10 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--tokenize-cache-mb", type=float,
                    help="memory for the ids of recent prompts, so a prompt that extends one (a chat's next turn) is "
                         "encoded only past the last special token they share (default 64; 0: off)")
+    g.add_argument("--ids-cache-mb", type=float,
+                   help="memory for the token-id lists clients send (/generate input_ids, a completion's prompt "
+                        "ids), so a list that extends a recent one (an RL rollout's next turn) is decoded only past "
+                        "it (default 64; 0: off)")
     g.add_argument("--shutdown-grace-secs", type=float)
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 

@@ -63,6 +63,7 @@ class GatewayConfig:
     chat_template: str | None = None  # a .jinja file overriding the model's (as SGLang's --chat-template)
     tokenize_inline_chars: int = 2048  # longer prompts are tokenized on a thread, off the event loop
     tokenize_cache_mb: float = 64.0  # ids of recent prompts kept to encode only what a new one adds; 0: off
+    ids_cache_mb: float = 64.0  # id lists clients sent, kept to decode only what a next turn adds; 0: off
     strict_models: bool = True  # unknown model -> 404
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"

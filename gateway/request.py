@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from array import array
 from typing import Any
 
 import msgspec
@@ -17,6 +19,8 @@ from gateway.encoding import PromptEncoder
 from gateway.errors import GatewayError
 from policies.base import RequestView
 from wire.chat_template import apply_chat_template, sglang_tools, template_kwargs
+from wire.hashing import uint32_le
+from wire.prefix_ids import RecentIds
 
 log = logging.getLogger("kvgate.request")
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
@@ -60,8 +64,23 @@ class _SingleBody(Body):
     input_ids: list[int] | None = None
 
 
+class _MarkedBody(_SingleBody):
+    """A one-prompt body whose id list was cut out and a mark put in its place (``_ids_cut``)."""
+
+    prompt: str | None = None
+    input_ids: str | None = None
+
+
 _single = msgspec.json.Decoder(_SingleBody)
 _decoder = msgspec.json.Decoder(Body)
+_marked = msgspec.json.Decoder(_MarkedBody)
+_decode_ids = msgspec.json.Decoder(list[int]).decode
+# No client can send this string: where it lands as the decoded field, the cut was that field.
+_MARK = "kvgate-ids-" + os.urandom(8).hex()
+_MARK_JSON = msgspec.json.encode(_MARK)
+# The field's key, then the list's opening bracket (JSON's whitespace between)
+_ID_FIELDS = {route: (name, re.compile(rb'"%s"[ \t\r\n]*:[ \t\r\n]*\[' % name.encode()))
+              for route, name in ((GENERATE, "input_ids"), (COMPLETIONS, "prompt"))}
 MAX_N = 128
 
 
@@ -106,6 +125,53 @@ def parse_body(raw: bytes, route: str) -> Body:
     if not raw.strip():
         raise GatewayError(400, "request body is empty; expected a JSON object")
     body, single = _decode(raw)
+    return _checked(body, route, single)
+
+
+def read_body(raw: bytes, route: str, recent: RecentIds | None) -> tuple[Body, bytes | None]:
+    """``parse_body``, and the prompt's ids packed (uint32 LE) where they were read with
+    ``recent``: a ``/generate`` or completion body whose one prompt is token ids has them
+    decoded from the part of their text that a recent body's list does not share
+    (``wire.prefix_ids``), and every such body leaves its list there for the next. Anything
+    else, and any body this path cannot read, is ``parse_body``'s, so answers are the same."""
+    field = _ID_FIELDS.get(route)
+    if recent is not None and field is not None:
+        got = _read_ids(raw, field, recent)
+        if got is not None:
+            body, ids, packed = got
+            setattr(body, field[0], ids)
+            return _checked(body, route, True), uint32_le(packed)
+    return parse_body(raw, route), None
+
+
+def _read_ids(raw: bytes, field: tuple[str, re.Pattern[bytes]], recent: RecentIds) -> tuple[Body, list[int], array] | None:
+    """The body with the field's list cut out, the list's ids and the ids packed; None where
+    the body is not one this path reads (the general one decides then, errors included).
+
+    The field's text is found by a search of the bytes, then proven to be the body's own top-level
+    field: the body is decoded with a mark in its place, and only a mark that comes back as
+    that field passes (a nested key of the same name, a duplicate key, a batch or anything
+    but one list of ints ends elsewhere or fails to decode)."""
+    name, key = field
+    found = key.search(raw)
+    if found is None:
+        return None
+    start = found.end() - 1
+    end = raw.find(b"]", start) + 1
+    got = recent.decode(raw[start:end])
+    if got is None:
+        return None
+    ids, packed = got
+    try:
+        body = _marked.decode(raw[:start] + _MARK_JSON + raw[end:])
+    except msgspec.DecodeError:
+        return None
+    if getattr(body, name) != _MARK or not ids:
+        return None
+    return body, ids, packed
+
+
+def _checked(body: Body, route: str, single: bool) -> Body:
     for n in [body.n, *(sp.n for sp in _as_list(body.sampling_params))]:
         if n is not None and not 1 <= n <= MAX_N:  # OpenAI's bound; an engine would build n requests
             raise GatewayError(400, f"'n' must be between 1 and {MAX_N}, got {n}", param="n")
@@ -133,12 +199,13 @@ def _first(value: Any) -> Any:
 
 
 async def build_view(body: Body, route: str, headers: Any, request_id: str, encoder: PromptEncoder | None,
-                     with_prompt: bool = True) -> RequestView:
+                     with_prompt: bool = True, packed_ids: bytes | None = None) -> RequestView:
     """``with_prompt=False`` skips the prompt text and token ids (no policy reads them).
-    With an ``encoder`` the prompt is tokenized as the engine tokenizes it (``wire.tokenizer``)."""
+    With an ``encoder`` the prompt is tokenized as the engine tokenizes it (``wire.tokenizer``).
+    ``packed_ids``: the body's own ids packed, as ``read_body`` gives them."""
     text: str | None = None
     token_ids: list[int] | None = None
-    packed: bytes | None = None
+    packed: bytes | None = packed_ids
     if not with_prompt:
         pass
     elif route == CHAT and encoder is not None:

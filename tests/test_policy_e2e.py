@@ -6,10 +6,11 @@ index's predicted cached tokens must agree with what the engines report."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from tests.support import Proc, converse, free_port, get_text, policy_stats
+from tests.support import Proc, converse, free_port, get_text, metric_value, policy_stats, request_json
 
 pytest.importorskip("simulator.cluster")
 pytest.importorskip("gateway.cli")
@@ -53,3 +54,40 @@ def test_precise_index_budget_forgets_old_conversations_not_the_current_one():
     assert stats["index_evicted_blocks"] > 0 and 0 < stats["index_known_blocks"] <= 40
     assert stats["index_hash_keyed_blocks"] == 0
     assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0
+
+
+def test_rollouts_that_send_their_own_ids_reuse_the_previous_turns_list():
+    """RL-style rollouts on ``/generate``: each turn sends the previous turn's ids plus the
+    answer and a tool's result, as ids. The gateway decodes only what each turn adds
+    (``wire.prefix_ids``) and the precise index must still predict exactly what the
+    engines report cached: ids read wrong would miss the engines' blocks. (Speculative
+    entries, which the gateway records from the ids it read, expire before the next turn, so
+    only the engines' own events can predict it.)"""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), "--policy", "kv_events",
+                       "--kv-events", "--policy-option", "speculative_ttl_s=0.1", name="kvgate-up")
+    try:
+        proc.wait_http(base + "/v1/models", timeout=60)
+        served = []
+        for rollout in range(3):
+            ids = [(rollout * 7919 + i * 31) % 200 + 1 for i in range(400)]
+            for turn in range(3):
+                status, out = request_json("POST", base + "/generate", {
+                    "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+                assert status == 200, out
+                assert out["meta_info"]["prompt_tokens"] == len(ids)
+                served.append((turn, out["meta_info"]["cached_tokens"]))
+                ids = ids + [(turn * 13 + i) % 200 + 1 for i in range(120)]
+                time.sleep(0.3)  # the engine's events in, the speculative entries gone
+        stats = policy_stats(base)
+        metrics = get_text(base + "/metrics")
+    finally:
+        proc.stop()
+    assert all(cached > 0 for turn, cached in served if turn > 0), served
+    assert stats["fallback_requests_total"] == 0 and stats["hit_verified_requests_total"] == len(served)
+    assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0, stats
+    reuse = {s: metric_value(metrics, "kvgate_tokenizer_stat", stat=f"ids_{s}")
+             for s in ("reuse_hits_total", "reuse_misses_total", "reused_total")}
+    assert reuse["reuse_hits_total"] == 6 and reuse["reuse_misses_total"] == 3, reuse  # every later turn
+    assert reuse["reused_total"] >= 6 * 400, reuse
