@@ -25,14 +25,15 @@ class _PolicyCollector:
 
 
 class _TokenizerCollector:
-    """The gateway's tokenizer's numbers (``PromptEncoder.stats``), read at scrape time."""
+    """The numbers of the gateway's prompt reading (``PromptEncoder.stats``, ``RecentIds.stats``),
+    read at scrape time."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
 
     def collect(self):
-        fam = GaugeMetricFamily("kvgate_tokenizer_stat", "Numbers reported by the gateway's tokenizer (prefix "
-                                "reuse: wire.prefix_tokens)", labels=["stat"])
+        fam = GaugeMetricFamily("kvgate_tokenizer_stat", "Numbers reported by the gateway's tokenizer and id "
+                                "reader (prefix reuse: wire.prefix_tokens, wire.prefix_ids)", labels=["stat"])
         source = self.metrics.tokenizer_stats
         for name, value in (source() if source is not None else {}).items():
             fam.add_metric([name], float(value))
