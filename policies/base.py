@@ -75,8 +75,9 @@ class RequestView:
     model: str | None = None
     text: str | None = None
     token_ids: list[int] | None = None
-    # token_ids as uint32 little-endian where the gateway's tokenizer had them so (a reused
-    # prefix is packed already), so that an index need not pack them again (``packed``)
+    # token_ids as uint32 little-endian where the gateway had them so (its tokenizer's reused
+    # prefix, or a client's id list read with a recent one's: wire.prefix_tokens,
+    # wire.prefix_ids), so that an index need not pack them again (``packed``)
     packed_ids: bytes | None = None
     session_key: str | None = None
     stream: bool = False
