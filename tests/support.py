@@ -140,6 +140,15 @@ def policy_stats(base: str) -> dict[str, float]:
         r'kvgate_policy_stat\{[^}]*stat="([a-z_]+)"\} ([0-9.e+-]+)', get_text(base + "/metrics"))}
 
 
+def assert_predicted_exactly(served: list[tuple[int, int]], stats: dict[str, float]) -> None:
+    """``served``: (turn, cached tokens the engine reported) per request. Every later turn found
+    its history cached, no request was routed on text, and the precise index predicted exactly
+    what the engines reported."""
+    assert all(cached > 0 for turn, cached in served if turn > 0), served
+    assert stats["fallback_requests_total"] == 0 and stats["hit_verified_requests_total"] == len(served)
+    assert stats["hit_predicted_tokens_total"] == stats["hit_actual_tokens_total"] > 0, stats
+
+
 def converse(base: str, model: str, conversations: int, turns: int, system_words: int = 80,
              as_parts: bool = False, **extra: object) -> list[tuple[int, int]]:
     """Multi-turn chats through the gateway, each turn's history sent back whole; returns
