@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from array import array
 from collections import deque
 from pathlib import Path
 
@@ -234,10 +235,11 @@ def main() -> None:
         request also carries a text, as a chat request does once the gateway has rendered and
         tokenized it (``chat_text``), and its ids packed, as the gateway's tokenizer hands them
         over (``wire.prefix_tokens``: a reused prefix is packed already). ``packed``: ids sent
-        by the client, handed over packed as ``gateway.request.read_body`` reads them."""
+        by the client, as ``gateway.request.read_body`` hands them over."""
         def view(rid: str, ids: list[int]) -> RequestView:
-            if packed:
-                return RequestView(rid, "/generate", token_ids=ids, packed_ids=uint32_le(ids))
+            if packed:  # as read_body hands them over: array("I") and its bytes
+                arr = array("I", ids)
+                return RequestView(rid, "/generate", token_ids=arr, packed_ids=uint32_le(arr))
             if not chat:
                 return RequestView(rid, "/generate", token_ids=ids)
             return RequestView(rid, "/generate", token_ids=ids, text=chat_text(ids), packed_ids=uint32_le(ids))

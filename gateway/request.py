@@ -40,9 +40,9 @@ class Body(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Any = None
     continue_final_message: bool = False
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked in parse_body
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked in parse_body (*)
     text: str | list[str] | None = None
-    input_ids: Any = None  # list[int] | list[list[int]]: checked in parse_body
+    input_ids: Any = None  # list[int] | list[list[int]]: checked in parse_body (*)
     sampling_params: _Sampling | list[_Sampling] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -52,6 +52,7 @@ class Body(msgspec.Struct):
     logprobs: bool | int | None = None
     return_logprob: bool | list[bool] | None = None
     n: int | None = None
+    # (*) one list of ids that read_body read is an array("I") (wire.prefix_ids), not a list
 
 
 class _SingleBody(Body):
@@ -131,44 +132,44 @@ def parse_body(raw: bytes, route: str) -> Body:
 def read_body(raw: bytes, route: str, recent: RecentIds | None) -> tuple[Body, bytes | None]:
     """``parse_body``, and the prompt's ids packed (uint32 LE) where they were read with
     ``recent``: a ``/generate`` or completion body whose one prompt is token ids has them
-    decoded from the part of their text that a recent body's list does not share
-    (``wire.prefix_ids``), and every such body leaves its list there for the next. Anything
-    else, and any body this path cannot read, is ``parse_body``'s, so answers are the same."""
+    read from the part of their text that a recent body's list does not share
+    (``wire.prefix_ids``), as ``array("I")`` in the body's field, and every such body leaves
+    its list there for the next. Anything else, and any body this path cannot read, is
+    ``parse_body``'s, so answers are the same."""
     field = _ID_FIELDS.get(route)
     if recent is not None and field is not None:
         got = _read_ids(raw, field, recent)
         if got is not None:
-            body, ids, packed = got
+            body, ids = got
             setattr(body, field[0], ids)
-            return _checked(body, route, True), uint32_le(packed)
+            return _checked(body, route, True), uint32_le(ids)
     return parse_body(raw, route), None
 
 
-def _read_ids(raw: bytes, field: tuple[str, re.Pattern[bytes]], recent: RecentIds) -> tuple[Body, list[int], array] | None:
-    """The body with the field's list cut out, the list's ids and the ids packed; None where
-    the body is not one this path reads (the general one decides then, errors included).
+def _read_ids(raw: bytes, field: tuple[str, re.Pattern[bytes]], recent: RecentIds) -> tuple[Body, array] | None:
+    """The body with the field's list cut out, and the list's ids; None where the body is
+    not one this path reads (the general one decides then, errors included).
 
-    The field's text is found by a search of the bytes, then proven to be the body's own top-level
-    field: the body is decoded with a mark in its place, and only a mark that comes back as
-    that field passes (a nested key of the same name, a duplicate key, a batch or anything
-    but one list of ints ends elsewhere or fails to decode)."""
+    The field's text is found by a search of the bytes, then proven to be the body's own
+    top-level field: the body is decoded with a mark in its place, and only a mark that comes
+    back as that field passes (a nested key of the same name, a duplicate key, a batch or
+    anything but one list of ints ends elsewhere or fails to decode)."""
     name, key = field
     found = key.search(raw)
     if found is None:
         return None
     start = found.end() - 1
     end = raw.find(b"]", start) + 1
-    got = recent.decode(raw[start:end])
-    if got is None:
+    ids = recent.decode(raw[start:end])
+    if not ids:
         return None
-    ids, packed = got
     try:
         body = _marked.decode(raw[:start] + _MARK_JSON + raw[end:])
     except msgspec.DecodeError:
         return None
-    if getattr(body, name) != _MARK or not ids:
+    if getattr(body, name) != _MARK:
         return None
-    return body, ids, packed
+    return body, ids
 
 
 def _checked(body: Body, route: str, single: bool) -> Body:
@@ -222,7 +223,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
         text = apply_chat_template(body.messages or [])
     elif route == COMPLETIONS:
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if isinstance(prompt, array) or isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             token_ids = prompt  # type: ignore[assignment]
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             token_ids = prompt[0]  # type: ignore[assignment]
@@ -231,7 +232,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
     else:
         if body.input_ids is not None:
             ids = body.input_ids
-            token_ids = ids[0] if ids and isinstance(ids[0], list) else ids  # type: ignore[assignment]
+            token_ids = ids[0] if isinstance(ids, list) and isinstance(ids[0], list) else ids  # type: ignore[assignment]
         else:
             text = _first(body.text)
     if token_ids is None and text is not None and encoder is not None:

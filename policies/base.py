@@ -74,7 +74,9 @@ class RequestView:
     route: str
     model: str | None = None
     text: str | None = None
-    token_ids: list[int] | None = None
+    # The prompt's ids: a list, or array("I") for ids a client sent (the gateway reads them
+    # without building an int per id, wire.prefix_ids); index, slice, iterate or pack it.
+    token_ids: Sequence[int] | None = None
     # token_ids as uint32 little-endian where the gateway had them so (its tokenizer's reused
     # prefix, or a client's id list read with a recent one's: wire.prefix_tokens,
     # wire.prefix_ids), so that an index need not pack them again (``packed``)

@@ -4,6 +4,7 @@ they must give exactly what msgspec gives decoding them whole, and the reuse mus
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from array import array
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import GatewayError
-from gateway.request import COMPLETIONS, GENERATE, parse_body, read_body
+from gateway.request import COMPLETIONS, GENERATE, build_view, parse_body, read_body
 from wire.hashing import uint32_le
 from wire.prefix_ids import RecentIds
 
@@ -36,7 +37,9 @@ def _whole_answer(text: bytes) -> tuple[list[int], bytes] | None:
 
 def _answer(recent: RecentIds, text: bytes) -> tuple[list[int], bytes] | None:
     got = recent.decode(text)
-    return None if got is None else (got[0], uint32_le(got[1]))
+    if got is not None:
+        assert isinstance(got, array) and got.typecode == "I"
+    return None if got is None else (got.tolist(), uint32_le(got))
 
 
 # A rollout: each list extends one before it (or a sibling's, or repeats one), written with
@@ -46,7 +49,7 @@ edits = st.lists(st.tuples(
     st.lists(st.integers(0, 2**32 + 5) | st.integers(-3, -1), max_size=40),  # what the turn adds
     st.sampled_from(SEPARATORS),
     # after the earlier list: nothing odd, junk, a list closed early, or its last digit changed
-    st.sampled_from(["", "", "", "x", ",", "1", "0", ".5", "e3", " 7", ",]", " ,]", "1]", "~"]),
+    st.sampled_from(["", "", "", "x", ",", "1", "12", "0", ".5", "e3", " 7", ",]", " ,]", "1]", "~"]),
     st.integers(0, 3),  # cut the earlier list short by this many ids first
 ), min_size=1, max_size=12)
 
@@ -157,11 +160,12 @@ def _bodies(rng: random.Random, route: str = GENERATE) -> list[bytes]:
 
 
 def _outcome(read) -> tuple:
+    """The answer, an array of ids read as the list it stands for."""
     try:
         body = read()
     except GatewayError as exc:
         return ("error", exc.status, exc.param, str(exc))
-    return ("ok", msgspec.structs.asdict(body))
+    return ("ok", {k: v.tolist() if isinstance(v, array) else v for k, v in msgspec.structs.asdict(body).items()})
 
 
 @pytest.mark.parametrize("route", [GENERATE, COMPLETIONS])
@@ -191,8 +195,20 @@ def test_read_body_hands_over_packed_ids_only_for_lists_it_read():
     recent = RecentIds(min_bytes=256)
     ids = list(range(1000, 1400))
     body, packed = read_body(json.dumps({"input_ids": ids}).encode(), GENERATE, recent)
-    assert body.input_ids == ids and packed == array("I", ids).tobytes()
+    assert body.input_ids == array("I", ids) and packed == array("I", ids).tobytes()
     body, packed = read_body(json.dumps({"text": "hello"}).encode(), GENERATE, recent)
     assert body.text == "hello" and packed is None
     body, packed = read_body(json.dumps({"input_ids": ids}).encode(), GENERATE, None)
     assert body.input_ids == ids and packed is None
+
+
+def test_a_view_takes_the_ids_read_as_its_token_ids():
+    """The array stands for the ids wherever the view takes them (a completion's prompt too,
+    which would otherwise read as text)."""
+    recent = RecentIds(min_bytes=256)
+    ids = list(range(1000, 1400))
+    for route, field in ((GENERATE, "input_ids"), (COMPLETIONS, "prompt")):
+        body, packed = read_body(json.dumps({"model": "m", field: ids}).encode(), route, recent)
+        view = asyncio.run(build_view(body, route, {}, "r", None, packed_ids=packed))
+        assert list(view.token_ids) == ids and view.text is None
+        assert view.packed() is packed and view.prompt_tokens_estimate == len(ids)
