@@ -33,8 +33,12 @@ they are, ``off`` ignores them. Each worker's backlog is kept across decisions
 
 Queued prefill work is booked when a request is routed (``on_routed``), moves to the
 decode count at its first token and is freed at completion, so a burst of requests sees
-the work its predecessors just queued. A hit in a slower tier is worth
-``1 - prefill_speed / load_speed`` of a GPU hit, which is where the tier credits come from.
+the work its predecessors just queued. The engine works through that queue while it waits,
+so the booked wait drains with the clock at the prefill rate, and each first token re-times
+what is left from that moment (first come, first served). Counted in full until the first
+token instead, a worker 8 s into a 100k-token prompt still read as 13 s away, and
+conversations left their warm worker for a wait that was nearly over (bench/RESULTS.md).
+A hit in a slower tier is worth ``1 - prefill_speed / load_speed`` of a GPU hit, which is where the tier credits come from.
 ``index``: ``auto`` (default) matches on the precise KV-event index where the request has
 token ids and the workers publish KV events, else on the approximate text tree, which
 learns from the decisions it makes (``policies.fallback_index``); ``precise`` is the same
@@ -227,7 +231,7 @@ class Cost(Policy):
         ``select`` can take the cheapest miss with ``min`` and price only the few workers
         that hold part of the prompt. The rows come from ``FleetBacklog`` (kept across
         decisions); this prices what moves with the clock and with this request's size:
-        engine queues still draining, and the KV wait where the request does not fit.
+        queues still draining, and the KV wait where the request does not fit.
 
         The KV wait is the costly part (a walk of the worker's release schedule), and on a
         saturated fleet every worker has one. A worker's queue wait bounds its cost from
@@ -245,7 +249,7 @@ class Cost(Policy):
         fleet = self._rows.fleet(workers, now)
         bases, waits, decode, busy = fleet.base.copy(), fleet.wait, fleet.decode, fleet.busy
         draining = fleet.draining
-        if draining:  # engine-reported queues longer than the booked ones, for now
+        if draining:  # queues still draining with the clock (``FleetBacklog``)
             waits, done = waits.copy(), fleet.done
             for i in draining:
                 waits[i] = wait = done[i] - now
@@ -551,6 +555,8 @@ class Cost(Policy):
             tokens = full
         book = self._booked(worker.url)
         book.queued += tokens
+        now = time.monotonic()
+        book.done = (book.done if book.done > now else now) + tokens * self._inv_prefill
         max_new = float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         self._avg_max_new += 0.05 * (max_new - self._avg_max_new)
         output = 0.0 if worker.role == "prefill" else max_new * self._out_ratio  # PD prefill: KV leaves with the transfer
@@ -566,9 +572,12 @@ class Cost(Policy):
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
         live = self._live.get(request.request_id)
         if live and live.first_token_at is None:
-            self._unqueue(live)
-            live.first_token_at = time.monotonic()
-            self._booked(live.url).decoding += 1
+            live.first_token_at = now = time.monotonic()
+            book = self._unqueue(live)
+            # Its prefill is done, so (first come, first served) is everything routed there
+            # before it: what is left is the work still booked, from now.
+            book.done = now + book.queued * self._inv_prefill
+            book.decoding += 1
             releases = self._kv.get(live.url)
             if releases is not None:
                 releases.started(live)
@@ -610,10 +619,14 @@ class Cost(Policy):
             book = self._book[url] = Booked()
         return book
 
-    def _unqueue(self, live: _Live) -> None:
+    def _unqueue(self, live: _Live) -> Booked:
+        """Take ``live``'s prefill out of its worker's queue (as if never there: a request
+        that ended before its first token; ``on_first_token`` re-times the rest)."""
         book = self._booked(live.url)
         book.queued = max(book.queued - live.tokens, 0.0)
+        book.done -= live.tokens * self._inv_prefill
         live.tokens = 0.0
+        return book
 
     def on_worker_added(self, worker: WorkerView) -> None:
         if self.feed is not None:

@@ -6,7 +6,8 @@ was half of a decision with 64 workers (~30 us of ~75, bench/decision_cost.py). 
 decisions almost none of it changes: a routing, a first token or a completion moves one
 worker's bookings, a load poll replaces one worker's report. So a worker's row is computed
 when one of those changes, and a decision reads the rows and re-prices only what moves with
-the clock: an engine-reported queue that is still draining (``engine_load=drain``), and
+the clock: a queue that is still draining (the booked one, and an engine-reported one with
+``engine_load=drain``: a row keeps when it is done, and a decision subtracts the clock), and
 the KV wait on the few workers the request would not fit on (left to ``cost``, which holds
 the release schedules; ``Fleet.tight`` finds those workers by bisection).
 
@@ -42,6 +43,7 @@ class Booked:
     """What this gateway has sent one worker and not yet seen finish."""
 
     queued: float = 0.0  # prefill work before first tokens, in linear-token equivalents
+    done: float = -float("inf")  # when that work is expected done: it drains at the prefill rate
     decoding: int = 0  # requests past their first token
     kv: float = 0.0  # KV tokens its live requests hold (sum of their footprints)
 
@@ -63,9 +65,11 @@ class Pricing:
 class Fleet:
     """The rows of one list of workers, by position in it.
 
-    ``wait`` and ``base`` (wait + decode) are the settled values: for a position in
-    ``draining`` the engine's reported queue still exceeds the booked one at the last
-    decision, and the decision's wait there is ``done - now``."""
+    ``wait`` and ``base`` (wait + decode) are the settled values, what does not drain (an
+    engine's queue as reported with ``engine_load=max``); for a position in ``draining`` a
+    queue that drains with the clock (the booked one, or the engine's as reported with
+    ``engine_load=drain``) still exceeds that at the last decision, and the decision's wait
+    there is ``done - now``."""
 
     views: list[WorkerView]
     urls: list[str]
@@ -74,7 +78,7 @@ class Fleet:
     infos: list[Mapping]  # server_info each row read its capacity from (see ``from_info``)
     queued: list[float]
     done: list[float]  # when the engine's reported queue drains at the prefill rate
-    until: list[float]  # about when that falls to the booked queue; inf where not draining
+    until: list[float]  # about when that falls to the settled wait; inf where not draining
     decode: list[float]
     kv: list[float]
     cap: list[float]  # KV capacity, 0 where no KV wait is priced
@@ -154,7 +158,7 @@ class FleetBacklog:
         fleet.now = now
         if fleet.draining and min(fleet.until) <= now + 1e-6:  # some may have drained (in C)
             for i in [i for i in fleet.draining if fleet.done[i] - now <= fleet.wait[i]]:
-                fleet.draining.discard(i)  # drained below the booked queue: settled
+                fleet.draining.discard(i)  # drained to what does not drain: settled
                 fleet.until[i] = _INF
                 if fleet.wait[i] > 0.0:
                     fleet.busy += 1
@@ -191,18 +195,21 @@ class FleetBacklog:
                 del fleet.headroom[at], fleet.room[at]
         book = self.book.get(url, IDLE)
         queued, running, kv, capacity = book.queued, book.decoding, book.kv, 0
-        done = -_INF
+        done = book.done if queued > 0.0 else -_INF  # the booked queue drains with the clock
+        wait = 0.0  # what does not drain: an engine's queue as reported, with engine_load=max
         if load is not None:
             if p.engine_load != "off":  # traffic this gateway did not route still occupies the engine
                 seen = self._avg_at.get(url)
                 if seen is None or (seen[0] is not load and seen[0] != load):  # a new report (by value)
                     seen = self._avg_at[url] = (load, self.avg())
                 backlog = load.waiting * seen[1]
-                if p.engine_load == "drain":  # priced per decision while it exceeds the booked queue
+                if p.engine_load == "drain":  # drains from the report's time, like the booked queue
                     if backlog > 0.0:
-                        done = load.timestamp + backlog * p.inv_prefill
-                elif backlog > queued:
-                    queued = backlog
+                        engine_done = load.timestamp + backlog * p.inv_prefill
+                        if engine_done > done:
+                            done = engine_done
+                else:
+                    wait = backlog * p.inv_prefill
                 if load.running > running:
                     running = load.running
             capacity = load.max_tokens
@@ -216,7 +223,7 @@ class FleetBacklog:
                 capacity = w.server_info.get("max_total_num_tokens") or 0
         else:
             capacity = 0
-        wait, decode = queued * p.inv_prefill, running * p.decode_cost_s
+        decode = running * p.decode_cost_s
         fleet.loads[i] = load
         fleet.queued[i], fleet.done[i] = queued, done
         fleet.decode[i], fleet.kv[i], fleet.cap[i] = decode, kv, capacity

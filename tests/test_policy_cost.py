@@ -66,11 +66,14 @@ def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
     assert back.predicted_cached_tokens >= 990
 
 
-@pytest.mark.parametrize("weight, suffix", [(0.0, 1), (1.0, 500)])
+@pytest.mark.parametrize("weight, suffix", [(0.0, 25), (1.0, 500)])
 def test_a_burst_of_identical_prompts_spreads_by_booked_work(weight, suffix):
-    """Greedy TTFT spreads even near-identical prompts; with the default work weight a
-    shared prefix is worth some queue, so the burst spreads once each request brings its
-    own uncached tail (here ~500 tokens), as real ones do."""
+    """Greedy TTFT spreads near-identical prompts once their tails (here ~25 tokens each)
+    queue up behind the prefix's prefill; with a work weight a shared prefix is worth some
+    queue, so the burst spreads once each request brings a longer uncached tail (~500
+    tokens), as real ones do. (Tails of one token each would all wait for the one prefill:
+    as the booked queue drains with the clock, the warm worker is the fastest by the
+    microseconds since.)"""
     policy = Cost(work_weight=weight)
     ws = workers(4)
     landed = Counter()
@@ -119,9 +122,10 @@ def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(monkeypatch, othe
     worker here has ~0.8 s of prefill queued (5 prefills of the shared ~4000-token prefix):
     with the other seven idle a miss there hurts nobody and is ~0.2 s; with all of them
     busy it is charged ``work_weight`` times over, and the warm worker keeps the request.
-    (Decisions 10 s apart, past ``load_window_s``: each sees the fleet as it is.)"""
-    monkeypatch.setattr("policies.cost.time", _SteppingClock(10.0))
-    policy = Cost(load_aware=load_aware)
+    (Each reading of the clock 10 ms after the last, ten thousand ``load_window_s``: each
+    decision sees the fleet as it is, and the queues have barely drained.)"""
+    monkeypatch.setattr("policies.cost.time", _SteppingClock(0.01))
+    policy = Cost(load_aware=load_aware, load_window_s=1e-6)
     ws = workers(8)
     prefix = "context " * 2000
     first = text_req("first", prefix + "question one")
@@ -148,8 +152,8 @@ def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
     ws = workers(4)
     policy.select(text_req("first"), ws)  # the first decision takes the share it finds
     assert policy.stats()["busy_share"] == 0.0 and policy.stats()["work_weight"] == 0.0
-    for i, w in enumerate(ws):  # every worker gets a queue, at the same instant
-        _book(policy, w, f"q{i}", 10_000, i * 100_000)
+    for i, w in enumerate(ws):  # every worker gets a queue (~60 s of prefill), at the same instant
+        _book(policy, w, f"q{i}", 300_000, i * 1_000_000)
         assert policy.stats()["busy_share"] == 0.0
     clock.now += 1.0  # a second later, all four busy: 1 - 1/e of the way there
     policy.select(text_req("later"), ws)
@@ -209,6 +213,42 @@ def _book(policy: Cost, worker: WorkerView, rid: str, n_tokens: int, start: int)
     req = RequestView(rid, "/generate", token_ids=list(range(start, start + n_tokens)))
     policy.select(req, [worker])
     policy.on_routed(req, worker)
+
+
+def test_the_booked_queue_drains_with_the_clock_and_first_tokens_re_time_it(monkeypatch):
+    """The engine works through its queue while it waits: a worker whose queue was booked
+    2 s ago reads 2 s closer (so a follow-up stays on its warm worker near the end of a long
+    prefill); a first token re-times what is left from that moment, earlier or later than
+    predicted; a request that ends before its first token takes its share with it."""
+    clock = _SteppingClock(0.0)
+    monkeypatch.setattr("policies.cost.time", clock)
+    policy = Cost(attention_tokens=0, decode_cost_s=0.0, memory=False, prefill_tokens_per_s=10_000)
+    w = workers(1)
+    a = RequestView("a", "/generate", token_ids=list(range(30_000)))  # 3 s of prefill
+    b = RequestView("b", "/generate", token_ids=list(range(100_000, 110_000)))  # 1 s
+    probe = RequestView("p", "/generate", token_ids=list(range(200_000, 200_010)))  # ~1 ms of its own
+
+    def wait() -> float:
+        return policy.costs(probe, w)[0][0] - 10 / 10_000
+
+    for r in (a, b):
+        policy.on_routed(r, w[0])
+    assert wait() == pytest.approx(4.0)
+    clock.now += 2.0
+    assert wait() == pytest.approx(2.0)
+    clock.now += 0.5  # a reaches its first token before it was due (3 s): b starts now
+    policy.on_first_token(a, w[0])
+    assert wait() == pytest.approx(1.0)
+    clock.now += 2.0  # b is late: 1 s after its start and still no first token
+    assert wait() == pytest.approx(0.0)
+    c = RequestView("c", "/generate", token_ids=list(range(300_000, 320_000)))  # 2 s, after b
+    policy.on_routed(c, w[0])
+    assert wait() == pytest.approx(2.0)
+    clock.now += 0.5
+    policy.on_first_token(b, w[0])  # b started then: c's whole prefill is still ahead
+    assert wait() == pytest.approx(2.0)
+    policy.on_complete(c, w[0], Outcome(ok=False))  # c gave up in the queue
+    assert wait() == pytest.approx(0.0) and policy.stats()["queued_prefill_tokens"] == 0
 
 
 def test_long_prompts_are_priced_with_attention():
@@ -309,6 +349,16 @@ def test_select_takes_the_lowest_score_of_predict(data):
     miss by ``min``; whatever the fleet (loads, booked KV, hits in every tier, a pool slower
     than recomputing, a prompt in the pool), it must land on a worker whose ``predict``
     score is the minimum."""
+    import policies.cost as cost_module
+
+    real_time, cost_module.time = cost_module.time, _SteppingClock(0.0)  # one instant: queues drain with the clock
+    try:
+        _select_takes_the_lowest_score_of_predict(data)
+    finally:
+        cost_module.time = real_time
+
+
+def _select_takes_the_lowest_score_of_predict(data) -> None:
     ps, n = 4, data.draw(st.integers(1, 8), label="workers")
     pool_tps = data.draw(st.sampled_from([2_000.0, 40_000.0]), label="pool speed")
     index = BlockIndex(default_page_size=ps)
@@ -526,17 +576,18 @@ def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
     for w in workers:
         url, load = w.url, w.load
         book = policy._book.get(url, IDLE)
-        queued, running, kv, capacity, drained_at = book.queued, book.decoding, book.kv, 0, -math.inf
+        running, kv, capacity, static = book.decoding, book.kv, 0, 0.0
+        drained_at = book.done if book.queued > 0 else -math.inf  # the booked queue drains from its last change
         if load is not None:
             if policy.engine_load != "off":
                 backlog = load.waiting * avg_at.setdefault((url, repr(load)), policy._avg_uncached)
-                if policy.engine_load == "max":
-                    queued = max(queued, backlog)
+                if policy.engine_load == "max":  # the reported queue as it is
+                    static = backlog * inv_prefill
                 elif backlog > 0:  # the reported queue drains at the prefill rate from its report
-                    drained_at = load.timestamp + backlog * inv_prefill
+                    drained_at = max(drained_at, load.timestamp + backlog * inv_prefill)
                 running = max(running, load.running)
             capacity, kv = load.max_tokens, max(kv, load.used_tokens)
-        wait, decode = max(queued * inv_prefill, drained_at - now), running * policy.decode_cost_s
+        wait, decode = max(static, drained_at - now, 0.0), running * policy.decode_cost_s
         if kv and policy.memory:
             capacity = capacity or w.server_info.get("max_total_num_tokens") or 0
         else:
