@@ -213,6 +213,7 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "held": p.get("kvgate_held_total"), "hold_s_total": p.get("kvgate_hold_seconds_sum"),
         "hold_decisions": p.get("holds"),  # decisions that answered Hold (a held request's re-decisions)
         "diverted": p.get("diverted"), "diverted_tokens": p.get("diverted_tokens"),
+        "prefill_tokens_per_s": p.get("prefill_tokens_per_s"), "prefill_samples": p.get("prefill_samples"),
         "lost_diverted": run["hit_loss"].get("diverted"), "lost_evicted": run["hit_loss"].get("evicted"),
         "requests_diverted": run["hit_loss"].get("requests_diverted"),
         "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()

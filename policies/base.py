@@ -177,7 +177,9 @@ class Policy:
     # Lifecycle hooks: the defaults do nothing, so simple policies stay simple.
     def on_routed(self, request: RequestView, worker: WorkerView) -> None: ...
 
-    def on_first_token(self, request: RequestView, worker: WorkerView) -> None: ...
+    def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
+        """At a stream's first chunk; for a response that is not streamed, when the whole
+        answer has arrived (so its time includes the decode)."""
 
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None: ...
 

@@ -48,7 +48,13 @@ subscriptions).
 Defaults are an 8B BF16 model on one H100: ~25k prefill tokens/s, 128 KiB of KV per token,
 so ~190k tokens/s over 25 GB/s PCIe from host memory and ~40k tokens/s from a Mooncake pool
 at ~5 GB/s (host hit worth ~0.87 of a GPU hit, pool hit ~0.38); each running request adds
-~0.2 ms. Only the ratios matter, so set them from the fleet's own numbers.
+~0.2 ms. Only the ratios matter, so set them from the fleet's own numbers. The prefill rate
+is also measured (``learn_prefill``, on by default): a request routed to a worker where
+nothing else of this gateway's is in prefill, with no engine-reported queue and its KV
+fitting, times its own prefill at its first token (streamed requests only: a response that
+is not streamed arrives after its decode), and the configured rate is scaled by
+the running average of measured / predicted (stats ``prefill_tokens_per_s``,
+``prefill_samples``). The configured figure is then only the starting point.
 
 The choice minimises ``ttft + work_weight * prefill(uncached)``: a miss is charged for the
 prefill it adds to the fleet (the wait of whoever queues behind it), not only for its own
@@ -116,6 +122,8 @@ class _Live:
     output: float  # output tokens expected: max_tokens x the share requests have been using
     max_tokens: float
     first_token_at: float | None = None
+    routed_at: float = 0.0
+    alone: float = 0.0  # its prefill work in seconds at the base rate when it started at once (a speed sample), else 0
 
 
 @dataclass(slots=True)
@@ -152,9 +160,13 @@ class Cost(Policy):
                  seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
                  memory: bool = True, tpot_s: float = 0.03, hold_wait_s: float = 0.1, hold_patience: float = 3.0,
                  load_aware: bool = True, load_window_s: float = 1.0, full_weight_busy: float = 0.75,
-                 **options) -> None:
+                 learn_prefill: bool = True, **options) -> None:
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
+        self._base_inv = 1.0 / self.prefill_tps  # the configured rate, which learning scales
+        self.learn_prefill = str(learn_prefill).lower() not in ("0", "false", "no", "off")
+        self._log_scale = 0.0  # log(measured prefill time / configured), averaged over samples
+        self.prefill_samples = 0
         self.host_tps = float(host_load_tokens_per_s)
         self.pool_tps = float(pool_load_tokens_per_s)
         self.decode_cost_s = float(decode_cost_s)
@@ -560,7 +572,11 @@ class Cost(Policy):
         max_new = float(request.max_tokens if request.max_tokens is not None else self._avg_max_new)
         self._avg_max_new += 0.05 * (max_new - self._avg_max_new)
         output = 0.0 if worker.role == "prefill" else max_new * self._out_ratio  # PD prefill: KV leaves with the transfer
-        live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * output, output, max_new)
+        live = _Live(worker.url, tokens, prompt + _OUTPUT_SHARE * output, output, max_new, None, now)
+        if self.learn_prefill and request.stream and book.queued - tokens < 1.0 and worker.role == "unified":
+            # Nothing else of ours in prefill there, no KV transfer in its first token, and
+            # a first token that is one (a response not streamed arrives after its decode)
+            live.alone = self._alone(worker, book, tokens, live.footprint)
         self._live[request.request_id] = live
         releases = self._kv.get(worker.url)
         if releases is None:
@@ -578,11 +594,56 @@ class Cost(Policy):
             # before it: what is left is the work still booked, from now.
             book.done = now + book.queued * self._inv_prefill
             book.decoding += 1
+            if live.alone:
+                self._learn_prefill(now - live.routed_at, live.alone)
             releases = self._kv.get(live.url)
             if releases is not None:
                 releases.started(live)
             if worker.role == "prefill":  # its KV went to the decode worker with the first token
                 self._release_kv(request.request_id, live)
+
+    def _alone(self, worker: WorkerView, book: Booked, tokens: float, footprint: float) -> float:
+        """The request's prefill in seconds at the configured rate, if its first token will
+        time that prefill alone, else 0. The caller checks that nothing else of this
+        gateway's is queued there and that it is not a PD prefill worker (whose first token
+        also waits for the KV transfer); here: no engine-reported queue, its KV fits, and
+        long enough (50 ms) that the round trip is noise."""
+        work = tokens * self._base_inv
+        if work < 0.05:
+            return 0.0
+        load = worker.load
+        used, cap = book.kv, 0.0
+        if load is not None:
+            if load.waiting:
+                return 0.0
+            cap = load.max_tokens
+            if load.used_tokens > used:
+                used = load.used_tokens
+        if not cap:
+            cap = (worker.server_info or {}).get("max_total_num_tokens") or 0.0
+        return work if not cap or used + footprint <= cap else 0.0
+
+    def _learn_prefill(self, seconds: float, work: float) -> None:
+        """The engines' prefill speed, from first tokens that timed a prefill alone
+        (``learn_prefill``): the configured rate is a guess for one model on one GPU, and
+        every wait this policy predicts is in its units. A running average of log(measured
+        / configured), each sample clipped to 1/4-4x; applied when it moves the rate by
+        more than 2%. Then every row is repriced, and what each booked queue has left is
+        the same work at the new speed: a queue booked at the old rate would otherwise read
+        wrong until its next first token."""
+        ratio = min(max(seconds / work, 0.25), 4.0)
+        self.prefill_samples += 1
+        self._log_scale += 0.1 * (math.log(ratio) - self._log_scale)
+        inv = self._base_inv * math.exp(self._log_scale)
+        change = inv / self._inv_prefill
+        if abs(change - 1.0) > 0.02:
+            now = time.monotonic()
+            for book in self._book.values():
+                if book.queued > 0.0 and book.done > now:
+                    book.done = now + (book.done - now) * change
+            self._inv_prefill = self._rows.pricing.inv_prefill = inv
+            self.prefill_tps = 1.0 / inv
+            self._rows.reprice()
 
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self._picked.pop(request.request_id, None)
@@ -659,6 +720,8 @@ class Cost(Policy):
         out["booked_kv_tokens"] = sum(b.kv for b in self._book.values())
         out["output_share"] = self._out_ratio
         out["holds"] = float(self.holds)
+        out["prefill_tokens_per_s"] = self.prefill_tps
+        out["prefill_samples"] = float(self.prefill_samples)
         out["work_weight"] = self.last_weight
         out["busy_share"] = self.busy_share
         out["diverted"] = float(self.diverted)

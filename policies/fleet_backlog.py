@@ -116,6 +116,11 @@ class FleetBacklog:
         for fleet in self._fleets:
             fleet.dirty.add(url)
 
+    def reprice(self) -> None:
+        """The pricing changed: every row is recomputed at its next decision."""
+        for fleet in self._fleets:
+            fleet.dirty.update(fleet.urls)
+
     def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
         """The rows of ``workers``, current as of ``now``."""
         views = workers if type(workers) is list else list(workers)

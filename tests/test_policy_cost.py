@@ -251,6 +251,62 @@ def test_the_booked_queue_drains_with_the_clock_and_first_tokens_re_time_it(monk
     assert wait() == pytest.approx(0.0) and policy.stats()["queued_prefill_tokens"] == 0
 
 
+@pytest.mark.parametrize("learn", [True, False])
+def test_the_prefill_speed_is_learned_from_first_tokens_that_timed_a_prefill_alone(monkeypatch, learn):
+    """The configured rate is a guess: engines that prefill twice as fast teach it, from
+    requests whose first token timed their own prefill (nothing queued ahead of them), and
+    every wait is then priced at the measured speed. A request that queued behind another,
+    or whose response was not streamed, teaches nothing."""
+    clock = _SteppingClock(0.0)
+    monkeypatch.setattr("policies.cost.time", clock)
+    policy = Cost(attention_tokens=0, decode_cost_s=0.0, memory=False, prefill_tokens_per_s=10_000,
+                  learn_prefill=learn)
+    w = workers(1, server_info={"max_total_num_tokens": 1_000_000})[0]
+    for i in range(41):  # 5,000 tokens: 0.5 s configured, 0.25 s measured
+        req = RequestView(f"r{i}", "/generate", token_ids=list(range(i * 10_000, i * 10_000 + 5_000)),
+                          max_tokens=1, stream=i > 0)
+        policy.on_routed(req, w)
+        clock.now += 0.25 if i else 2.0  # r0 is not streamed: its "first token" came after its decode
+        policy.on_first_token(req, w)
+        policy.on_complete(req, w, Outcome(ok=True, completion_tokens=1))
+        clock.now += 1.0
+    stats = policy.stats()
+    if not learn:
+        assert stats["prefill_samples"] == 0 and stats["prefill_tokens_per_s"] == 10_000
+        return
+    assert stats["prefill_samples"] == 40 and stats["prefill_tokens_per_s"] == pytest.approx(20_000, rel=0.05)
+    queued = RequestView("q", "/generate", token_ids=list(range(900_000, 910_000)), stream=True)  # 0.5 s measured
+    policy.on_routed(queued, w)
+    assert policy.costs(RequestView("p", "/generate", token_ids=[1] * 10), [w])[0][0] == pytest.approx(0.5, rel=0.06)
+    behind = RequestView("b", "/generate", token_ids=list(range(950_000, 955_000)), stream=True)
+    policy.on_routed(behind, w)  # queued behind ``queued``: its first token times both
+    clock.now += 0.5
+    policy.on_first_token(queued, w)
+    clock.now += 3.0  # very late
+    policy.on_first_token(behind, w)
+    assert policy.stats()["prefill_samples"] == 41  # ``queued`` counted, ``behind`` not
+
+
+def test_a_learned_speed_reprices_what_booked_queues_have_left(monkeypatch):
+    """A queue booked at the configured rate is the same work at the learned one: when a
+    sample moves the rate, what is left of it is rescaled at once, not at its next first
+    token."""
+    clock = _SteppingClock(0.0)
+    monkeypatch.setattr("policies.cost.time", clock)
+    policy = Cost(attention_tokens=0, decode_cost_s=0.0, memory=False, prefill_tokens_per_s=10_000)
+    w1, w2 = workers(2, server_info={"max_total_num_tokens": 10_000_000})
+    policy.on_routed(RequestView("long", "/generate", token_ids=list(range(1_000_000))), w2)  # 100 s
+    sample = RequestView("s", "/generate", token_ids=list(range(2_000_000, 2_005_000)), stream=True)  # 0.5 s
+    policy.on_routed(sample, w1)
+    clock.now += 0.25  # prefilled twice as fast as configured
+    policy.on_first_token(sample, w1)
+    scale = math.exp(0.1 * math.log(0.5))  # one sample moves the running average a tenth of the way
+    assert policy.stats()["prefill_tokens_per_s"] == pytest.approx(10_000 / scale)
+    tiny = RequestView("t", "/generate", token_ids=[7] * 10)
+    costs = policy.costs(tiny, [w1, w2])
+    assert costs[1][0] - costs[0][0] == pytest.approx(99.75 * scale, rel=1e-3)
+
+
 def test_long_prompts_are_priced_with_attention():
     """One 100k-token prompt takes longer to prefill than three 40k ones (attention grows with
     context): the linear model sends the next request behind the 100k prompt, the default
