@@ -90,3 +90,28 @@ def test_rollouts_that_send_their_own_ids_reuse_the_previous_turns_list():
              for s in ("reuse_hits_total", "reuse_misses_total", "reused_total")}
     assert reuse["reuse_hits_total"] == 6 and reuse["reuse_misses_total"] == 3, reuse  # every later turn
     assert reuse["reused_total"] >= 6 * 400, reuse
+
+
+def test_cost_learns_the_prefill_speed_from_streamed_first_tokens_only():
+    """``cost`` times a prefill at its first token. Through the gateway a response that is
+    not streamed reaches the policy's first-token hook only when the whole answer is in, so
+    it must teach nothing; a streamed one, alone on its worker, is one sample."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = Proc.python("gateway.cli", "up", "--workers", "2", "--port", str(port), "--policy", "cost",
+                       name="kvgate-up")
+    try:
+        proc.wait_http(base + "/v1/models", timeout=60)
+        model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
+        for stream in (False, True):
+            for i in range(3):  # one at a time, so each is alone on its worker
+                prompt = " ".join(f"s{int(stream)}r{i}w{j}" for j in range(3000))  # ~0.2 s of prefill
+                status, out = request_json("POST", base + "/v1/completions", {
+                    "model": model, "prompt": prompt, "max_tokens": 24, "stream": stream})
+                assert status == 200, out
+            stats = policy_stats(base)
+            assert stats["prefill_samples"] == (3 if stream else 0), stats
+            if not stream:
+                assert stats["prefill_tokens_per_s"] == 25_000
+    finally:
+        proc.stop()
