@@ -112,6 +112,11 @@ _INF = float("inf")
 _exp = math.exp
 
 
+def _on(flag: object) -> bool:
+    """An on/off option as the CLI or YAML gives it: a bool, or a string such as "false"."""
+    return str(flag).lower() not in ("0", "false", "no", "off")
+
+
 @dataclass(slots=True)
 class _Live:
     """A request between routing and completion, as this policy booked it."""
@@ -164,7 +169,7 @@ class Cost(Policy):
         super().__init__(**options)
         self.prefill_tps = float(prefill_tokens_per_s)
         self._base_inv = 1.0 / self.prefill_tps  # the configured rate, which learning scales
-        self.learn_prefill = str(learn_prefill).lower() not in ("0", "false", "no", "off")
+        self.learn_prefill = _on(learn_prefill)
         self._log_scale = 0.0  # log(measured prefill time / configured), averaged over samples
         self.prefill_samples = 0
         self.host_tps = float(host_load_tokens_per_s)
@@ -172,7 +177,7 @@ class Cost(Policy):
         self.decode_cost_s = float(decode_cost_s)
         self.inv_attention = 1.0 / float(attention_tokens) if float(attention_tokens) > 0 else 0.0
         self.work_weight = float(work_weight)
-        self.load_aware = str(load_aware).lower() not in ("0", "false", "no", "off")
+        self.load_aware = _on(load_aware)
         self.load_window_s = float(load_window_s)
         full = min(max(float(full_weight_busy), 0.0), 0.99)
         self._full_odds = full / (1.0 - full)  # rho / (1 - rho) where the weight is full
@@ -183,7 +188,7 @@ class Cost(Policy):
         if engine_load not in ("drain", "max", "off"):
             raise ValueError(f"cost: engine_load must be 'drain', 'max' or 'off', not {engine_load!r}")
         self.engine_load = engine_load
-        self.memory = str(memory).lower() not in ("0", "false", "no", "off")
+        self.memory = _on(memory)
         self.default_tpot_s = float(tpot_s)
         self.hold_wait_s = float(hold_wait_s)
         self.hold_patience = float(hold_patience)
