@@ -75,9 +75,10 @@ def main() -> None:
     def policy(package: str):
         """The policy on its own precise index, filled as decision_cost fills its."""
         # with the memory budget the policies build it with, where that code has one
-        budget = getattr(importlib.import_module(package + ".kv_events"), "DEFAULT_MAX_INDEX_BLOCKS", None)
+        layer = "index" if package == "policies" else package  # a copy of the tree keeps its own layout
+        budget = getattr(importlib.import_module(layer + ".build"), "DEFAULT_MAX_INDEX_BLOCKS", None)
         extra = {} if budget is None else {"max_blocks": budget}
-        index = importlib.import_module(package + ".block_index").BlockIndex(speculative_ttl_s=args.speculative_ttl,
+        index = importlib.import_module(layer + ".block_index").BlockIndex(speculative_ttl_s=args.speculative_ttl,
                                                                              **extra)
         fill(index, workers, owners, conv_pages, ps)
         # as a gateway builds them: the precise index behind its text fallback, fed by KV events

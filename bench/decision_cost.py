@@ -39,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import EngineLoad, Outcome, RequestView, WorkerView  # noqa: E402
-from policies.block_index import BlockIndex  # noqa: E402
+from index.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
-from policies.kv_events import DEFAULT_MAX_INDEX_BLOCKS, KvEvents  # noqa: E402
-from policies.radix_index import RadixIndex  # noqa: E402
+from index.build import DEFAULT_MAX_INDEX_BLOCKS  # noqa: E402
+from policies.kv_events import KvEvents  # noqa: E402
+from index.radix import RadixIndex  # noqa: E402
 from wire.hashing import page_hashes, uint32_le  # noqa: E402
 
 MEDIUMS = ["GPU", "GPU", "GPU", "CPU_PINNED", "EXTERNAL"]

@@ -33,7 +33,7 @@ from bench.decision_cost import _p99, conversation, fill, fleet, rss_mib, timed 
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import RequestView  # noqa: E402
-from policies.block_index import BlockIndex  # noqa: E402
+from index.block_index import BlockIndex  # noqa: E402
 from policies.kv_events import KvEvents  # noqa: E402
 from wire.hashing import page_hashes  # noqa: E402
 from wire.kv_events import BlockStored  # noqa: E402

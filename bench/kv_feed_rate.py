@@ -3,7 +3,7 @@ process applies, CPU per message and per page, and how long the event loop stall
 
 Every worker's SGLang publisher sends an ``EventBatch`` per scheduler step that changed its
 radix cache: one ``BlockStored`` per page (SGLang's granularity), and later the matching
-``BlockRemoved`` as pages are evicted. The feed (``policies.kv_feed``) receives them on the
+``BlockRemoved`` as pages are evicted. The feed (``index.kv_feed``) receives them on the
 gateway's event loop, the same loop that proxies requests, so its cost per message is what a
 fleet of N workers takes from the proxy. Here a separate process plays ``--workers``
 publishers on 127.0.0.1 (one PUB socket each, as SGLang opens them) and sends
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from policies.base import WorkerView  # noqa: E402
-from policies.block_index import BlockIndex  # noqa: E402
-from policies.kv_feed import KvEventFeed  # noqa: E402
+from index.block_index import BlockIndex  # noqa: E402
+from index.kv_feed import KvEventFeed  # noqa: E402
 from wire.hashing import page_hashes  # noqa: E402
 from wire.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, pack_seq  # noqa: E402
 

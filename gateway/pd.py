@@ -30,7 +30,8 @@ from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, ou
                            select, upstream_headers)
 from gateway.request import Body
 from gateway.workers import Worker
-from policies.base import Choice, Hold, NoWorkerAvailable, Outcome, Policy, RequestView
+from index.views import Outcome, RequestView
+from policies.base import Choice, Hold, NoWorkerAvailable, Policy
 
 log = logging.getLogger("kvgate.pd")
 _enc = msgspec.json.encode

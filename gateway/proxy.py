@@ -23,7 +23,8 @@ from gateway.errors import GatewayError, sse_error_frame
 from gateway.hold import HoldRoom
 from gateway.metrics import GatewayMetrics
 from gateway.workers import Worker, WorkerRegistry
-from policies.base import Choice, Hold, NoWorkerAvailable, Outcome, Policy, RequestView, WorkerView
+from index.views import Outcome, RequestView, WorkerView
+from policies.base import Choice, Hold, NoWorkerAvailable, Policy
 
 log = logging.getLogger("kvgate.proxy")
 

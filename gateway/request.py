@@ -17,7 +17,7 @@ import msgspec
 
 from gateway.encoding import PromptEncoder
 from gateway.errors import GatewayError
-from policies.base import RequestView
+from index.views import RequestView
 from wire.chat_template import apply_chat_template, sglang_tools, template_kwargs
 from wire.hashing import uint32_le
 from wire.prefix_ids import RecentIds

@@ -19,7 +19,7 @@ import msgspec
 
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig, WorkerSpec
-from policies.base import EngineLoad, WorkerView
+from index.views import EngineLoad, WorkerView
 
 log = logging.getLogger("kvgate.workers")
 _json = msgspec.json.Decoder()

@@ -12,105 +12,13 @@ so a policy is testable as a pure function over snapshots and swappable at runti
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-from wire.hashing import uint32_le
+from index.views import EngineLoad, Outcome, RequestView, WorkerView
 
-
-@dataclass(slots=True)
-class EngineLoad:
-    """What the engine itself reports (``/get_load`` or ``/v1/loads``), summed over DP ranks."""
-
-    running: int = 0
-    waiting: int = 0
-    used_tokens: int = 0
-    max_tokens: int = 0
-    timestamp: float = 0.0
-
-    @property
-    def token_usage(self) -> float:
-        return self.used_tokens / self.max_tokens if self.max_tokens else 0.0
-
-
-@dataclass(slots=True)
-class WorkerView:
-    """A read-only snapshot of one worker, as the gateway sees it at routing time."""
-
-    url: str
-    role: str = "unified"  # unified | prefill | decode
-    models: frozenset[str] = frozenset()
-    healthy: bool = True
-    in_flight: int = 0  # requests the gateway has routed there and not yet finished
-    load: EngineLoad | None = None
-    bootstrap_port: int | None = None
-    server_info: Mapping[str, Any] = field(default_factory=dict)
-
-    # Bumped whenever any view's ``load`` or ``server_info`` is replaced, so a policy that
-    # keeps figures per worker (``policies.fleet_backlog``) learns in one read that no
-    # report changed since it last looked, instead of reading every worker's on every
-    # decision. Changes made inside either object are not counted: the gateway's poller
-    # replaces them whole.
-    reports: ClassVar[int] = 0
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name == "load" or name == "server_info":
-            WorkerView.reports += 1
-
-    @property
-    def host(self) -> str:
-        rest = self.url.split("://", 1)[-1]
-        host = rest.split("/", 1)[0]
-        return host.rsplit(":", 1)[0].strip("[]") if ":" in host else host
-
-
-@dataclass(slots=True)
-class RequestView:
-    """What a policy may know about a request. Token ids are present only when the client
-    sent ``input_ids`` or the gateway was given the engine's tokenizer."""
-
-    request_id: str
-    route: str
-    model: str | None = None
-    text: str | None = None
-    # The prompt's ids: a list, or array("I") for ids a client sent (the gateway reads them
-    # without building an int per id, wire.prefix_ids); index, slice, iterate or pack it.
-    token_ids: Sequence[int] | None = None
-    # token_ids as uint32 little-endian where the gateway had them so (its tokenizer's reused
-    # prefix, or a client's id list read with a recent one's: wire.prefix_tokens,
-    # wire.prefix_ids), so that an index need not pack them again (``packed``)
-    packed_ids: bytes | None = None
-    session_key: str | None = None
-    stream: bool = False
-    max_tokens: int | None = None
-    cache_salt: str | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    may_hold: bool = False  # the gateway accepts ``Hold`` for this decision
-    held_s: float = 0.0  # how long the gateway has held this request so far
-
-    def packed(self) -> bytes | None:
-        """``token_ids`` as uint32 little-endian (None if some id is no uint32): ``packed_ids``
-        where they are these ids, else packed now and left there. A request the gateway holds
-        is decided again at later first tokens and completions, with other requests'
-        decisions in between; it packs its prompt once, not each time (~6 ns a token: 0.8 ms
-        for the trace's longest prompts, which are the ones held longest)."""
-        tokens = self.token_ids or []
-        packed = self.packed_ids
-        if packed is None or len(packed) != 4 * len(tokens):
-            try:
-                packed = self.packed_ids = uint32_le(tokens)
-            except (OverflowError, TypeError):
-                return None
-        return packed
-
-    @property
-    def prompt_tokens_estimate(self) -> int:
-        if self.token_ids is not None:
-            return len(self.token_ids)
-        # ~4 bytes per token for BPE tokenizers; exact for the byte tokenizer's callers
-        # who pass token_ids anyway.
-        return len(self.text or "") // 4
+__all__ = ["Choice", "EngineLoad", "Hold", "NoWorkerAvailable", "Outcome", "Policy", "RequestView",
+           "WorkerView", "require_workers"]
 
 
 @dataclass(slots=True)
@@ -135,18 +43,6 @@ class Hold:
 
     retry_s: float = 0.5
     reason: str = ""
-
-
-@dataclass(slots=True)
-class Outcome:
-    """How a routed request ended, as reported by the engine where it says so."""
-
-    ok: bool
-    status: int = 200
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
 
 
 class NoWorkerAvailable(Exception):

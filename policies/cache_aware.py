@@ -16,7 +16,7 @@ What differs, and why:
   workers that hold it rather than piling onto one;
 * a miss goes to the least loaded worker (smallest tree breaks ties) instead of the
   smallest tree regardless of load;
-* one memory budget for the whole index (``max_tree_size``, see ``policies.radix_index``);
+* one memory budget for the whole index (``max_tree_size``, see ``index.radix``);
 * hit verification (``policies.hit_verification``) turns cache routing off while the
   engine's reported cache hits contradict the index.
 """
@@ -32,9 +32,8 @@ from operator import attrgetter
 
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
 from policies.hit_verification import HitVerifier
-from policies.prefix_index import IndexMatch, PrefixIndex
-from policies.radix_index import RadixIndex
-from policies.tree_budget import TreeBudget
+from index.prefix import IndexMatch, PrefixIndex
+from index.build import make_radix
 
 log = logging.getLogger("kvgate.policies")
 _url = attrgetter("url")
@@ -60,15 +59,6 @@ def make_verifier(name: str, options: Mapping[str, object]) -> HitVerifier:
         recover_below=float(options.get("drift_recover_below", 0.6)),
         name=name,
     )
-
-
-def make_radix(options: Mapping[str, object], key: str | None = None) -> tuple[RadixIndex, TreeBudget]:
-    """The approximate tree from policy options, with the budget that sizes it."""
-    tree = RadixIndex(key=key or str(options.get("key", "auto")), max_age_s=float(options.get("max_age_s", 0.0)))
-    # Fixed by default: on the trace (bench/RESULTS.md, routing quality) a budget sized to
-    # the fleet's KV ("auto") forgot conversations the engines still held: hit 0.111 vs
-    # 0.134 and mean TTFT 3.16 vs 2.21 s for a 16M budget, back to back.
-    return tree, TreeBudget(tree, options.get("max_tree_size", 1 << 24))
 
 
 class CacheAware(Policy):

@@ -41,7 +41,7 @@ conversations left their warm worker for a wait that was nearly over (bench/RESU
 A hit in a slower tier is worth ``1 - prefill_speed / load_speed`` of a GPU hit, which is where the tier credits come from.
 ``index``: ``auto`` (default) matches on the precise KV-event index where the request has
 token ids and the workers publish KV events, else on the approximate text tree, which
-learns from the decisions it makes (``policies.fallback_index``); ``precise`` is the same
+learns from the decisions it makes (``index.fallback``); ``precise`` is the same
 but warns when it has to fall back; ``approx`` is the approximate tree alone (no ZMQ
 subscriptions).
 
@@ -98,12 +98,13 @@ from dataclasses import dataclass
 from itertools import chain
 
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
-from policies.cache_aware import make_radix, make_verifier
+from index.build import make_radix, precise_index
+from policies.cache_aware import make_verifier
 from policies.fleet_backlog import Booked, FleetBacklog, Pricing
-from policies.kv_feed import KvEventFeed
+from index.kv_feed import KvEventFeed
 from policies.kv_release import KvReleases
-from policies.tree_budget import TreeBudget
-from policies.prefix_index import NO_HIT, IndexMatch, PrefixIndex, Tiers
+from index.tree_budget import TreeBudget
+from index.prefix import NO_HIT, IndexMatch, PrefixIndex, Tiers
 
 # Share of ``max_new_tokens`` a request's KV is booked at: the engine reserves part of it at
 # admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
@@ -200,8 +201,6 @@ class Cost(Policy):
         self.feed: KvEventFeed | None = None
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
         if index in ("precise", "auto"):
-            from policies.kv_events import precise_index
-
             self.index, self.feed, self.budget = precise_index(options, self.name, quiet=index == "auto")
         elif index == "approx":
             self.index, self.budget = make_radix(options)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from policies.base import Outcome, RequestView, WorkerView
 from policies.cache_aware import CacheAware
 from policies.loader import load_policy
-from policies.prefix_index import IndexMatch, Tiers
+from index.prefix import IndexMatch, Tiers
 from wire.chat_template import apply_chat_template
 
 SYSTEM = "You are a careful assistant. " * 20

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies.base import EngineLoad, Hold, Outcome, RequestView, WorkerView
-from policies.block_index import BlockIndex
+from index.block_index import BlockIndex
 from policies.cost import Cost
 from policies.loader import load_policy
-from policies.prefix_index import IndexMatch, Tiers
+from index.prefix import IndexMatch, Tiers
 from wire.hashing import page_hashes
 from wire.kv_events import BlockStored
 

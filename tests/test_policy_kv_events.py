@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from policies.base import RequestView, WorkerView
 from policies.kv_events import KvEvents
-from policies.kv_feed import publishers_for
+from index.kv_feed import publishers_for
 from wire.hashing import page_hashes
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch, pack_seq, unpack_seq
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from policies.base import RequestView, WorkerView
-from policies.block_index import BlockIndex
-from policies.prefix_index import Tiers
+from index.block_index import BlockIndex
+from index.prefix import Tiers
 from wire.hashing import page_hashes
 from wire.kv_events import BlockRemoved, BlockStored
 

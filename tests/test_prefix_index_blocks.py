@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import RequestView, WorkerView
-from policies.block_index import BlockIndex
+from index.block_index import BlockIndex
 from wire.hashing import page_hashes
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -126,7 +126,7 @@ def test_orphans_are_counted_and_page_sizes_differ_per_worker():
 @given(st.lists(st.lists(st.integers(0, 3), max_size=90), min_size=1, max_size=6),
        st.sampled_from([1, 2, 4]), st.sampled_from([None, "salt"]))
 def test_page_hash_cache_equals_wire_hashing(prompts, page_size, salt):
-    from policies.page_hash_cache import PageHashCache
+    from index.page_hash_cache import PageHashCache
 
     cache = PageHashCache(every=2, max_segments=8)
     grown = []
@@ -137,7 +137,7 @@ def test_page_hash_cache_equals_wire_hashing(prompts, page_size, salt):
 
 
 def test_page_hash_cache_reuses_the_previous_turn():
-    from policies.page_hash_cache import PageHashCache
+    from index.page_hash_cache import PageHashCache
 
     cache = PageHashCache(every=4)
     turn1 = list(range(400))
@@ -213,7 +213,7 @@ def test_page_size_comes_from_the_events_when_server_info_lacks_it():
 def test_a_request_decided_again_is_not_packed_again(monkeypatch):
     """A held request is matched again after others were: the ids it packed the first time
     stay on the request, and the second match reads them (and still finds the same)."""
-    import policies.base as base
+    import index.views as base
 
     packs = []
     real = base.uint32_le

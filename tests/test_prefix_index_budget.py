@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from policies.block_index import BlockIndex
+from index.block_index import BlockIndex
 from tests.test_prefix_index_blocks import PS, URLS, WORKERS, held_by, req
 from wire.hashing import page_hashes
 from wire.kv_events import BlockRemoved, BlockStored

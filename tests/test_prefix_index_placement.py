@@ -10,10 +10,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import policies.block_index as block_index
+import index.block_index as block_index
 from policies.base import RequestView, WorkerView
-from policies.block_index import BlockIndex
-from policies.page_hash_cache import PageHashCache
+from index.block_index import BlockIndex
+from index.page_hash_cache import PageHashCache
 from tests.test_prefix_index_blocks import PS as BLOCKS_PS
 from tests.test_prefix_index_blocks import held_by
 from tests.test_prefix_index_blocks import naive as naive_held

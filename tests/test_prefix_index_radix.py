@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import RequestView, WorkerView
-from policies.radix_index import RadixIndex
+from index.radix import RadixIndex
 
 TENANTS = [f"http://w{i}" for i in range(4)]
 WORKERS = [WorkerView(u) for u in TENANTS]
@@ -139,7 +139,7 @@ def test_token_ids_salt_and_text_do_not_share_prefixes():
 def test_token_keys_take_the_packed_ids_and_pack_a_request_once(monkeypatch):
     """Ids packed already (the gateway's tokenizer) key the tree as the ids do; a request
     matched again after another (held, then decided again) is not packed again."""
-    import policies.base as base
+    import index.views as base
 
     packs = []
     real = base.uint32_le

@@ -2,8 +2,8 @@
 
 An index answers "how much of this request's prefix does each worker already hold, and in
 which tier", and learns from the routing decisions the policy makes. The approximate radix
-tree (``policies.radix_index``) and the precise KV-event block index
-(``policies.block_index``) both implement it, so a policy is written once and the index is
+tree (``index.radix``) and the precise KV-event block index
+(``index.block_index``) both implement it, so a policy is written once and the index is
 a constructor argument.
 
 Lengths are in the index's own ``unit``: characters for the text radix tree, tokens for
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
-from policies.base import RequestView, WorkerView
+from index.views import RequestView, WorkerView
 
 Unit = Literal["chars", "tokens"]
 

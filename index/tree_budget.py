@@ -5,7 +5,7 @@ to workers that evicted them long ago (sglang-router's tree allows 2^26 characte
 worker): the "hit" is gone, and the load it concentrates is real. With
 ``max_tree_size=auto`` the one global budget follows the fleet's KV capacity (the default
 is a fixed 2^24 units, which measured better on the conversation trace; see
-``policies.cache_aware.make_radix``): the sum of every worker's ``max_total_num_tokens`` (from ``/server_info``, or
+``index.build.make_radix``): the sum of every worker's ``max_total_num_tokens`` (from ``/server_info``, or
 the engine load report), times the index units per token (1 for token keys; for text,
 characters per token learned from the engines' ``prompt_tokens``). A fixed number keeps
 the budget fixed. Until a capacity is known the fallback budget applies.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.base import Outcome, RequestView, WorkerView
-from policies.radix_index import RadixIndex
+from index.views import Outcome, RequestView, WorkerView
+from index.radix import RadixIndex
 
 DEFAULT_UNITS_PER_TOKEN = 4.0  # characters per BPE token in English; learned from outcomes
 

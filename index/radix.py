@@ -24,9 +24,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-from policies.base import RequestView, WorkerView
-from policies.common_prefix import common_units
-from policies.prefix_index import IndexMatch, Tiers, Unit
+from index.views import RequestView, WorkerView
+from index.common_prefix import common_units
+from index.prefix import IndexMatch, Tiers, Unit
 from wire.hashing import uint32_le
 
 

@@ -8,7 +8,7 @@ compared run by run with ``bytes.startswith`` (memcmp): a conversation's pages s
 a few runs, so the walk is a handful of C calls whatever the prompt's length.
 
 A ``Run`` is a sequence of whole pages with per-page state kept in parallel lists:
-``masks`` (the workers' tier bits, see ``policies.block_index``), ``names`` (the block hash
+``masks`` (the workers' tier bits, see ``index.block_index``), ``names`` (the block hash
 naming the page: None, one int, or a list of the few that share it; the index's memory
 budget evicts a run by these), ``spec`` (speculative bits) and ``pooled`` (in the shared
 pool). ``flat`` and ``spec_flat`` say how many leading pages are known to carry the first
@@ -31,7 +31,7 @@ from collections import OrderedDict
 from itertools import repeat
 from typing import Any
 
-from policies.common_prefix import common_units
+from index.common_prefix import common_units
 
 
 class Run:

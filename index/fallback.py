@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from policies.base import RequestView, WorkerView
-from policies.block_index import BlockIndex
-from policies.prefix_index import IndexMatch, Unit
-from policies.radix_index import RadixIndex
+from index.views import RequestView, WorkerView
+from index.block_index import BlockIndex
+from index.prefix import IndexMatch, Unit
+from index.radix import RadixIndex
 
 log = logging.getLogger("kvgate.policies")
 

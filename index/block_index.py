@@ -1,6 +1,6 @@
 """Precise prefix index: the blocks each worker reported through SGLang KV events.
 
-Pages live in a trie of page runs keyed by their tokens (``policies.page_trie``).
+Pages live in a trie of page runs keyed by their tokens (``index.page_trie``).
 ``BlockStored`` events carry each block's tokens and parent, so each block gets its place
 in the trie when its event arrives, and ``block hash -> (run, offset)`` serves the events
 that name blocks by hash only (``BlockRemoved``, tiers reporting a block again). A prompt is
@@ -16,7 +16,7 @@ own root, so salted and unsalted chains stay apart exactly as their SHA chains d
 Blocks that cannot be placed (an event without token ids, a parent the index never saw, a
 chain start hashed some other way) are kept by block hash instead
 (``index_hash_keyed_blocks``). While any exist the walk also computes the prompt's SHA chain
-(memoised across turns, ``policies.page_hash_cache``) and ORs both, page by page, so matches
+(memoised across turns, ``index.page_hash_cache``) and ORs both, page by page, so matches
 stay exactly what a SHA-keyed index gives; the cost comes back only while such blocks do. A
 block first seen without tokens moves to its place when an event brings them.
 
@@ -70,10 +70,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate, chain as chained, filterfalse, repeat, takewhile
 from operator import and_, attrgetter, or_
 
-from policies.base import RequestView, WorkerView
-from policies.page_hash_cache import PageHashCache
-from policies.page_trie import Path, Run, detach, grow, step, trim, walk
-from policies.prefix_index import IndexMatch, Tiers, Unit
+from index.views import RequestView, WorkerView
+from index.page_hash_cache import PageHashCache
+from index.page_trie import Path, Run, detach, grow, step, trim, walk
+from index.prefix import IndexMatch, Tiers, Unit
 from wire.hashing import page_hashes, uint32_le
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
 

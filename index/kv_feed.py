@@ -32,8 +32,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from policies.base import WorkerView
-from policies.block_index import BlockIndex
+from index.views import WorkerView
+from index.block_index import BlockIndex
 from wire.kv_events import decode_in_parts, pack_seq, unpack_seq
 
 log = logging.getLogger("kvgate.policies.kv_events")
