@@ -35,7 +35,7 @@ from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, read_body, 
 from gateway.upstream import make_session
 from gateway.workers import WorkerRegistry
 from policies.base import Policy
-from policies.loader import load_policy
+from policies.loader import load_policy, options_for
 from wire.prefix_ids import RecentIds
 from wire.tokenizer import load_tokenizer
 
@@ -57,12 +57,16 @@ class GatewayState:
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
         self.encoder = PromptEncoder(tokenizer, cfg.tokenize_inline_chars) if tokenizer is not None else None
-        self.policy = load_policy(cfg.policy, **cfg.policy_options)
         # One policy per worker role: unified workers use the main policy; in PD mode the
         # prefill side defaults to it (prefix hits live on prefill) and decode to least load.
+        # ``policy_options`` serve the main and the prefill policy: where those differ, each
+        # takes the options it declares, and an option neither declares is an error.
+        shared = cfg.pd_disaggregation and cfg.prefill_policy not in (None, cfg.policy)
+        load = options_for(cfg.policy_options, [cfg.policy, cfg.prefill_policy]) if shared else load_policy
+        self.policy = load(cfg.policy, **cfg.policy_options)
         self.policies: dict[str, Policy] = {"unified": self.policy}
         if cfg.pd_disaggregation:
-            self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load_policy)
+            self.policies["prefill"], self.policies["decode"] = pd_policies(cfg, self.policy, load)
         self.needs_prompt = any(p.needs_prompt for p in self.policies.values())
         # ids that clients send, kept to decode only what a next turn adds (wire.prefix_ids)
         self.recent_ids = RecentIds(int(cfg.ids_cache_mb * (1 << 20))) \

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import GatewayConfig, WorkerSpec, load_yaml, workers_from_mapping
+from wire.options import OptionError
 
 log = logging.getLogger("kvgate")
 
@@ -230,8 +231,19 @@ def cmd_sim(argv: list[str]) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from policies.loader import available_policies
+    from policies.loader import available_policies, load_policy_class
+    from wire.options import describe
 
+    if args.name:
+        cls = load_policy_class(args.name)
+        rows = describe(cls.Options)
+        if cls.Options is None:
+            print(f"{args.name}: options are passed to the policy as given (it declares none)")
+        elif not rows:
+            print(f"{args.name}: no options")
+        for name, default, doc in rows:
+            print(f"{name:24s} {default:>12s}  {doc}")
+        return 0
     for name, target in sorted(available_policies().items()):
         print(f"{name:20s} {target}")
     return 0
@@ -259,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="start a mooncake_master and give the workers a shared HiCache L3 pool (Mooncake Store)")
     p_up.set_defaults(func=cmd_up)
     sub.add_parser("sim", help="start simulated SGLang workers (see 'kvgate sim --help')", add_help=False)
-    p_pol = sub.add_parser("policies", help="list routing policies")
+    p_pol = sub.add_parser("policies", help="list routing policies, or one policy's options")
+    p_pol.add_argument("name", nargs="?", help="print this policy's options (--policy-option key=value)")
     p_pol.set_defaults(func=cmd_policies)
     return parser
 
@@ -271,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except OptionError as exc:  # a policy option the policy does not take, or cannot parse
+        print(f"kvgate: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from index.views import EngineLoad, Outcome, RequestView, WorkerView
+from wire.options import NoOptions, OptionError, opt, parse_options
 
-__all__ = ["Choice", "EngineLoad", "Hold", "NoWorkerAvailable", "Outcome", "Policy", "RequestView",
-           "WorkerView", "require_workers"]
+__all__ = ["Choice", "EngineLoad", "Hold", "NoOptions", "NoWorkerAvailable", "OptionError", "Outcome", "Policy",
+           "RequestView", "WorkerView", "opt", "require_workers"]
 
 
 @dataclass(slots=True)
@@ -52,7 +53,11 @@ class NoWorkerAvailable(Exception):
 class Policy:
     """Base class for routing policies; subclasses override ``select`` and any hooks.
 
-    ``options`` come from the CLI (``--policy-option key=value``) or the YAML config.
+    ``options`` come from the CLI (``--policy-option key=value``, strings) or the YAML config
+    (typed). A policy that declares ``Options`` (a dataclass of ``opt`` fields: default, doc,
+    choices) gets them parsed once into ``self.opts``, and an unknown or malformed option is an
+    ``OptionError`` at start-up; ``kvgate policies NAME`` prints them. A policy without
+    ``Options`` receives them raw in ``self.options``.
     ``needs_engine_load`` asks the gateway to poll engine load for this policy.
     ``needs_prompt = False`` tells the gateway this policy never reads ``text`` or
     ``token_ids``, so it can skip the chat template and tokenizer (their cost grows with
@@ -62,9 +67,11 @@ class Policy:
     name: ClassVar[str] = "policy"
     needs_engine_load: ClassVar[bool] = False
     needs_prompt: ClassVar[bool] = True
+    Options: ClassVar[type | None] = None
 
     def __init__(self, **options: Any) -> None:
         self.options = options
+        self.opts: Any = parse_options(self.Options, options, self.name) if self.Options is not None else None
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold | Awaitable[Choice | Hold]:
         """The worker for this request; ``Hold`` only when ``request.may_hold``."""

@@ -30,10 +30,13 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, require_workers
-from policies.hit_verification import HitVerifier
+from dataclasses import dataclass
+
+from index.build import RadixOptions, make_radix
+from index.tree_budget import TreeBudget
 from index.prefix import IndexMatch, PrefixIndex
-from index.build import make_radix
+from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, opt, require_workers
+from policies.hit_verification import VerifierOptions, make_verifier
 
 log = logging.getLogger("kvgate.policies")
 _url = attrgetter("url")
@@ -51,42 +54,48 @@ def engine_queue(workers: Sequence[WorkerView]) -> list[int]:
 LOADS = {"in_flight": in_flight, "engine": engine_queue}
 
 
-def make_verifier(name: str, options: Mapping[str, object]) -> HitVerifier:
-    return HitVerifier(
-        window=int(options.get("drift_window", 128)),
-        min_samples=int(options.get("drift_min_samples", 32)),
-        degrade_above=float(options.get("drift_degrade_above", 0.85)),
-        recover_below=float(options.get("drift_recover_below", 0.6)),
-        name=name,
-    )
+@dataclass
+class CacheAwareOptions(RadixOptions, VerifierOptions):
+    cache_threshold: float = opt(0.3, "route to the prefix holder when the best match covers more than this share")
+    balance_abs_threshold: float = opt(64.0, "imbalanced when max - min load exceeds this ...")
+    balance_rel_threshold: float = opt(1.5, "... and max exceeds this times min: then least loaded wins")
+    tie_ratio: float = opt(0.9, "workers matching at least this share of the best match count as sharers")
+    load: str = opt("in_flight", "load measure: in_flight (booked by the gateway) or engine (with the engine's queue)",
+                    choices=tuple(LOADS))
+    host_credit: float = opt(0.9, "a host-memory hit counts this much of a GPU hit")
+    pool_credit: float = opt(0.6, "a shared-pool hit counts this much of a GPU hit")
+    eviction_interval_s: float = opt(60.0, "how often the age-based eviction timer runs")
 
 
 class CacheAware(Policy):
     name = "cache_aware"
+    Options = CacheAwareOptions
 
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, tie_ratio: float = 0.9, load: str = "in_flight",
-                 host_credit: float = 0.9, pool_credit: float = 0.6, eviction_interval_s: float = 60.0,
-                 index: PrefixIndex | None = None, **options) -> None:
+    def __init__(self, index: PrefixIndex | None = None, **options) -> None:
         super().__init__(**options)
-        self.cache_threshold = float(cache_threshold)
-        self.balance_abs_threshold = float(balance_abs_threshold)
-        self.balance_rel_threshold = float(balance_rel_threshold)
-        self.tie_ratio = float(tie_ratio)
-        self.host_credit = float(host_credit)
-        self.pool_credit = float(pool_credit)
-        self.eviction_interval_s = float(eviction_interval_s)
-        self._loads = LOADS[load]
+        o = self.opts
+        self.cache_threshold = o.cache_threshold
+        self.balance_abs_threshold = o.balance_abs_threshold
+        self.balance_rel_threshold = o.balance_rel_threshold
+        self.tie_ratio = o.tie_ratio
+        self.host_credit = o.host_credit
+        self.pool_credit = o.pool_credit
+        self.eviction_interval_s = o.eviction_interval_s
+        self._loads = LOADS[o.load]
         if isinstance(index, str):
             raise ValueError("cache_aware keeps its own approximate index; the precise one is policy kv_events")
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
         if index is None:
-            index, self.budget = make_radix(options)
+            index, self.budget = self.build_index()
         self.index: PrefixIndex = index
-        self.verifier = make_verifier(self.name, options)
+        self.verifier = make_verifier(self.name, o)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
         self._positions_of: tuple[list[WorkerView], dict[str, int]] = ([], {})
+
+    def build_index(self) -> tuple[PrefixIndex, TreeBudget | None]:
+        """The index this policy matches on, from its options (``self.opts``)."""
+        return make_radix(self.opts)
 
     # -- decision -----------------------------------------------------------------------
     def _positions(self, workers: Sequence[WorkerView]) -> dict[str, int]:

@@ -10,7 +10,14 @@ import bisect
 import hashlib
 from collections.abc import Sequence
 
-from policies.base import Choice, Policy, RequestView, WorkerView, require_workers
+from dataclasses import dataclass
+
+from policies.base import Choice, Policy, RequestView, WorkerView, opt, require_workers
+
+
+@dataclass
+class ConsistentHashOptions:
+    virtual_nodes: int = opt(160, "points per worker on the hash ring")
 
 
 def _point(key: str) -> int:
@@ -21,9 +28,11 @@ class ConsistentHash(Policy):
     name = "consistent_hash"
     needs_prompt = False
 
-    def __init__(self, virtual_nodes: int = 160, **options) -> None:
+    Options = ConsistentHashOptions
+
+    def __init__(self, **options) -> None:
         super().__init__(**options)
-        self.virtual_nodes = int(virtual_nodes)
+        self.virtual_nodes = self.opts.virtual_nodes
         self._ring_key: tuple[str, ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []

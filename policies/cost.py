@@ -97,14 +97,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, require_workers
-from index.build import make_radix, precise_index
-from policies.cache_aware import make_verifier
-from policies.fleet_backlog import Booked, FleetBacklog, Pricing
+from dataclasses import dataclass
+from typing import Any
+
+from index.build import PreciseOptions, RadixOptions, make_radix, precise_index
 from index.kv_feed import KvEventFeed
-from policies.kv_release import KvReleases
-from index.tree_budget import TreeBudget
 from index.prefix import NO_HIT, IndexMatch, PrefixIndex, Tiers
+from index.tree_budget import TreeBudget
+from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, opt, require_workers
+from policies.fleet_backlog import Booked, FleetBacklog, Pricing
+from policies.hit_verification import VerifierOptions, make_verifier
+from policies.kv_release import KvReleases
+from wire.options import optional, whole
 
 # Share of ``max_new_tokens`` a request's KV is booked at: the engine reserves part of it at
 # admission and fills it as it decodes (SGLang's new_token_ratio starts at 0.7, decays).
@@ -113,9 +117,34 @@ _INF = float("inf")
 _exp = math.exp
 
 
-def _on(flag: object) -> bool:
-    """An on/off option as the CLI or YAML gives it: a bool, or a string such as "false"."""
-    return str(flag).lower() not in ("0", "false", "no", "off")
+def _engine_load(value: Any) -> str:
+    return "off" if value is False else str(value)  # YAML reads a bare off as false
+
+
+@dataclass
+class CostOptions(RadixOptions, PreciseOptions, VerifierOptions):
+    """``cost``'s model (see the module docstring) and the indexes it matches on."""
+
+    prefill_tokens_per_s: float = opt(25_000.0, "prefill speed the model starts from (learned, see learn_prefill)")
+    host_load_tokens_per_s: float = opt(190_000.0, "tokens/s loaded from host memory (HiCache L2)")
+    pool_load_tokens_per_s: float = opt(40_000.0, "tokens/s loaded from the shared Mooncake pool (L3)")
+    decode_cost_s: float = opt(0.0002, "seconds each running request adds to a prefill")
+    attention_tokens: float = opt(32_768.0, "context at which attention costs as much as the matmuls (0: ignore)")
+    work_weight: float = opt(12.0, "how many times a miss's prefill is charged on a loaded fleet")
+    temperature: float = opt(0.0, "seconds; > 0 samples with softmax over -ttft instead of the minimum")
+    seed: int | None = opt(None, "random seed for temperature sampling", parse=optional(whole))
+    index: Any = opt("auto", "auto (precise where token ids and KV events exist, else approximate), precise, approx",
+                     choices=("auto", "precise", "approx"), parse=lambda value: value)
+    engine_load: str = opt("drain", "engine-reported queues: drain (discounted by work since the poll), max, off",
+                           choices=("drain", "max", "off"), parse=_engine_load)
+    memory: bool = opt(True, "price the wait for KV pool memory")
+    tpot_s: float = opt(0.03, "seconds per output token until a worker's is measured")
+    hold_wait_s: float = opt(0.1, "hold a request at the gateway while every worker's wait exceeds this (0: never)")
+    hold_patience: float = opt(3.0, "stop holding after this many times the still-predicted wait")
+    load_aware: bool = opt(True, "scale work_weight by how busy the fleet is")
+    load_window_s: float = opt(1.0, "window the fleet's busy share is averaged over")
+    full_weight_busy: float = opt(0.75, "busy share from which work_weight applies in full")
+    learn_prefill: bool = opt(True, "learn the prefill speed from streamed first tokens that timed a prefill alone")
 
 
 @dataclass(slots=True)
@@ -159,56 +188,48 @@ class _Backlogs:
 class Cost(Policy):
     name = "cost"
     needs_engine_load = True
+    Options = CostOptions
 
-    def __init__(self, prefill_tokens_per_s: float = 25_000.0, host_load_tokens_per_s: float = 190_000.0,
-                 pool_load_tokens_per_s: float = 40_000.0, decode_cost_s: float = 0.0002,
-                 attention_tokens: float = 32_768.0, work_weight: float = 12.0, temperature: float = 0.0,
-                 seed: int | None = None, index: str | PrefixIndex = "auto", engine_load: str = "drain",
-                 memory: bool = True, tpot_s: float = 0.03, hold_wait_s: float = 0.1, hold_patience: float = 3.0,
-                 load_aware: bool = True, load_window_s: float = 1.0, full_weight_busy: float = 0.75,
-                 learn_prefill: bool = True, **options) -> None:
+    def __init__(self, **options) -> None:
         super().__init__(**options)
-        self.prefill_tps = float(prefill_tokens_per_s)
+        o = self.opts
+        self.prefill_tps = o.prefill_tokens_per_s
         self._base_inv = 1.0 / self.prefill_tps  # the configured rate, which learning scales
-        self.learn_prefill = _on(learn_prefill)
+        self.learn_prefill = o.learn_prefill
         self._log_scale = 0.0  # log(measured prefill time / configured), averaged over samples
         self.prefill_samples = 0
-        self.host_tps = float(host_load_tokens_per_s)
-        self.pool_tps = float(pool_load_tokens_per_s)
-        self.decode_cost_s = float(decode_cost_s)
-        self.inv_attention = 1.0 / float(attention_tokens) if float(attention_tokens) > 0 else 0.0
-        self.work_weight = float(work_weight)
-        self.load_aware = _on(load_aware)
-        self.load_window_s = float(load_window_s)
-        full = min(max(float(full_weight_busy), 0.0), 0.99)
+        self.host_tps = o.host_load_tokens_per_s
+        self.pool_tps = o.pool_load_tokens_per_s
+        self.decode_cost_s = o.decode_cost_s
+        self.inv_attention = 1.0 / o.attention_tokens if o.attention_tokens > 0 else 0.0
+        self.work_weight = o.work_weight
+        self.load_aware = o.load_aware
+        self.load_window_s = o.load_window_s
+        full = min(max(o.full_weight_busy, 0.0), 0.99)
         self._full_odds = full / (1.0 - full)  # rho / (1 - rho) where the weight is full
         self.busy_share = 1.0  # the fleet's busy share, averaged (``weight``); the first decision sets it
         self._busy_at: float | None = None
-        self.temperature = float(temperature)
-        engine_load = "off" if engine_load is False else str(engine_load)  # YAML reads "off" as false
-        if engine_load not in ("drain", "max", "off"):
-            raise ValueError(f"cost: engine_load must be 'drain', 'max' or 'off', not {engine_load!r}")
-        self.engine_load = engine_load
-        self.memory = _on(memory)
-        self.default_tpot_s = float(tpot_s)
-        self.hold_wait_s = float(hold_wait_s)
-        self.hold_patience = float(hold_patience)
+        self.temperature = o.temperature
+        self.engine_load = o.engine_load
+        self.memory = o.memory
+        self.default_tpot_s = o.tpot_s
+        self.hold_wait_s = o.hold_wait_s
+        self.hold_patience = o.hold_patience
+        seed, index = o.seed, o.index
         self.holds = 0  # decisions answered with Hold
         self.last_weight = self.work_weight  # the work weight the last decision charged
         self.diverted = 0  # commits that passed over a worker holding more of the prompt
         self.diverted_tokens = 0.0  # the cached tokens those commits gave up
-        self._rng = random.Random(None if seed is None else int(seed))
+        self._rng = random.Random(seed)
         self.feed: KvEventFeed | None = None
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
         if index in ("precise", "auto"):
-            self.index, self.feed, self.budget = precise_index(options, self.name, quiet=index == "auto")
+            self.index, self.feed, self.budget = precise_index(o, self.name, quiet=index == "auto")
         elif index == "approx":
-            self.index, self.budget = make_radix(options)
-        elif isinstance(index, str):
-            raise ValueError(f"cost: index must be 'auto', 'precise' or 'approx', not {index!r}")
+            self.index, self.budget = make_radix(o)
         else:
             self.index = index
-        self.verifier = make_verifier(self.name, options)
+        self.verifier = make_verifier(self.name, o)
         self._book: dict[str, Booked] = {}  # per worker: what this gateway sent it
         self._avg_uncached = 0.0
         self._inv_prefill = 1.0 / self.prefill_tps

@@ -28,10 +28,28 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from policies.base import Outcome
+from index.views import Outcome
+from wire.options import opt
 
 log = logging.getLogger("kvgate.policies.hit_verification")
+
+
+@dataclass
+class VerifierOptions:
+    """Hit verification, for every cache-aware policy."""
+
+    drift_window: int = opt(128, "completed requests the drift is measured over")
+    drift_min_samples: int = opt(32, "samples before the verifier may degrade routing")
+    drift_degrade_above: float = opt(0.85, "degrade to load-aware routing above this drift")
+    drift_recover_below: float = opt(0.6, "recover below this drift")
+
+
+def make_verifier(name: str, options: VerifierOptions) -> HitVerifier:
+    return HitVerifier(window=options.drift_window, min_samples=options.drift_min_samples,
+                       degrade_above=options.drift_degrade_above, recover_below=options.drift_recover_below,
+                       name=name)
 
 
 class HitVerifier:

@@ -18,17 +18,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from index.build import precise_index
+from dataclasses import dataclass
+
+from index.build import PreciseOptions, precise_index
+from index.prefix import PrefixIndex
+from index.tree_budget import TreeBudget
 from policies.base import Choice, RequestView, WorkerView
-from policies.cache_aware import CacheAware
+from policies.cache_aware import CacheAware, CacheAwareOptions
+
+
+@dataclass
+class KvEventsOptions(CacheAwareOptions, PreciseOptions):
+    """cache_aware's options and the precise index's."""
 
 class KvEvents(CacheAware):
     name = "kv_events"
+    Options = KvEventsOptions
 
-    def __init__(self, **options) -> None:
-        index, self.feed, budget = precise_index(options, self.name)
-        super().__init__(index=index, **options)
-        self.budget = budget
+    def build_index(self) -> tuple[PrefixIndex, TreeBudget]:
+        index, self.feed, budget = precise_index(self.opts, self.name)
+        return index, budget
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         self.feed.follow(workers)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.base import Choice, Policy, RequestView, WorkerView, require_workers
+from policies.base import Choice, NoOptions, Policy, RequestView, WorkerView, require_workers
 
 
 class LeastLoad(Policy):
     name = "least_load"
+    Options = NoOptions
     needs_prompt = False
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from policies.base import Policy
+from wire.options import OptionError, option_names
 
 GROUP = "kvgate.policies"
 
@@ -60,3 +62,21 @@ def load_policy_class(spec: str) -> type[Policy]:
 
 def load_policy(spec: str, **options: Any) -> Policy:
     return load_policy_class(spec)(**options)
+
+
+def options_for(options: Mapping[str, Any], specs: Sequence[str]) -> Callable[..., Policy]:
+    """A ``load_policy`` for one set of options shared by the policies ``specs``: each
+    receives the options its ``Options`` declares (all of them if it declares none), and an
+    option that none of them declares is an ``OptionError`` naming them all."""
+    classes = [load_policy_class(spec) for spec in specs]
+    declared = [option_names(cls.Options) if cls.Options is not None else None for cls in classes]
+    for name in options:
+        if all(names is not None and name not in names for names in declared):
+            raise OptionError(f"{' / '.join(specs)}: unknown option {name!r}; none of these policies takes it")
+
+    def load(spec: str, **given: Any) -> Policy:
+        cls = load_policy_class(spec)
+        names = option_names(cls.Options) if cls.Options is not None else None
+        return cls(**{k: v for k, v in given.items() if names is None or k in names})
+
+    return load

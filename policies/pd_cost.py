@@ -21,19 +21,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.base import Choice, Hold, RequestView, WorkerView, require_workers
-from policies.cost import Cost
+from dataclasses import dataclass
+
+from policies.base import Choice, Hold, RequestView, WorkerView, opt, require_workers
+from policies.cost import Cost, CostOptions
+
+
+@dataclass
+class PDCostOptions(CostOptions):
+    kv_bytes_per_token: float = opt(131072.0, "KV bytes per prompt token moved prefill -> decode")
+    same_host_bytes_per_s: float = opt(150e9, "transfer bandwidth when both legs share a host")
+    cross_host_bytes_per_s: float = opt(25e9, "transfer bandwidth across hosts (the RDMA NIC)")
+    hold_wait_s: float = opt(0.0, "late binding on the prefill queue (0: never hold)")
 
 
 class PDCost(Cost):
     name = "pd_cost"
+    Options = PDCostOptions
 
-    def __init__(self, kv_bytes_per_token: float = 131072, same_host_bytes_per_s: float = 150e9,
-                 cross_host_bytes_per_s: float = 25e9, hold_wait_s: float = 0.0, **options) -> None:
-        super().__init__(hold_wait_s=hold_wait_s, **options)
-        self.kv_bytes_per_token = float(kv_bytes_per_token)
-        self.same_host_bps = float(same_host_bytes_per_s)
-        self.cross_host_bps = float(cross_host_bytes_per_s)
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        o = self.opts
+        self.kv_bytes_per_token = o.kv_bytes_per_token
+        self.same_host_bps = o.same_host_bytes_per_s
+        self.cross_host_bps = o.cross_host_bytes_per_s
 
     def decode_wait(self, worker: WorkerView) -> float:
         load = worker.load

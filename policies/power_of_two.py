@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 
 from policies.base import Choice, Policy, RequestView, WorkerView, require_workers
+from policies.random_choice import SeedOptions
 
 
 def load_score(worker: WorkerView) -> float:
@@ -23,9 +24,11 @@ class PowerOfTwo(Policy):
     needs_prompt = False
     needs_engine_load = True
 
-    def __init__(self, seed: int | None = None, **options) -> None:
+    Options = SeedOptions
+
+    def __init__(self, **options) -> None:
         super().__init__(**options)
-        self._rng = random.Random(seed)
+        self._rng = random.Random(self.opts.seed)
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from policies.base import Choice, Policy, RequestView, WorkerView, require_workers
+from policies.base import Choice, NoOptions, Policy, RequestView, WorkerView, require_workers
 
 
 class RoundRobin(Policy):
     name = "round_robin"
+    Options = NoOptions
     needs_prompt = False
 
     def __init__(self, **options) -> None:
