@@ -28,8 +28,8 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("pool_bench", ["--limit", "300", "--workers", "4", "--kv-bytes-per-token", "256", "--time-scale", "2"],
      ["--limit", "100", "--workers", "2", "--kv-bytes-per-token", "256", "--time-scale", "2"]),
     ("decision_cost", [], ["--blocks", "100000", "--decisions", "500"]),
-    ("hold_wake", [], ["--held", "10", "100", "--events", "30", "--repeat", "1"]),
-    ("cost_table", [], []),
+    ("micro.hold_wake", [], ["--held", "10", "100", "--events", "30", "--repeat", "1"]),
+    ("micro.cost_table", [], []),
 ]
 
 

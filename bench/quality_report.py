@@ -84,7 +84,7 @@ def medians(rows: list[dict]) -> list[dict]:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """The issue's targets, checked against sglang-router cache_aware."""
+    """The targets (hit/bounded >= 0.90; TTFT mean and p99 <= 0.5x), checked against sglang-router cache_aware."""
     ref = next((r for r in rows if r["router"] == "sglang-router" and r["policy"] == "cache_aware"), None)
     out = []
     for r in rows:
@@ -183,7 +183,7 @@ def section(meta: dict, rows: list[dict], notes: str = "") -> str:
               f"client send delay p99 {r['send_delay_p99_s']:.3f} s)" for r in rows if r["lagged"]]
     lines = [
         BEGIN,
-        "## Routing quality (issue 4)",
+        "## Routing quality",
         "",
         f"- Date: {meta['date']}",
         f"- Machine: {meta['machine']}",
@@ -213,7 +213,7 @@ def section(meta: dict, rows: list[dict], notes: str = "") -> str:
         *(["", f"Medians over {len(rows) // len(summary)} interleaved repetitions of every router:", "",
             format_table(summary, markdown=True)] if summary is not rows else []),
         "",
-        "Targets (issue 4)" + (", on the medians:" if summary is not rows else ":"),
+        "Targets" + (", on the medians:" if summary is not rows else ":"),
         "",
         *targets(summary),
         "",

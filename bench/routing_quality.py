@@ -246,10 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every router N times, interleaved; targets are judged on the medians")
     p.add_argument("--quick", action="store_true", help="200 requests: a few minutes, for iteration")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quality"))
-    p.add_argument("--notes", default=str(ROOT / "bench" / "quality_notes.md"),
-                   help="markdown (analysis written by hand) appended to the RESULTS.md section when it exists")
+    p.add_argument("--notes", default=None,
+                   help="markdown file appended inside the generated RESULTS.md section (default: none; the hand-written "
+                        "reading sits after the section's end marker and survives a rewrite)")
     p.add_argument("--render", action="store_true",
-                   help="run nothing: rewrite the RESULTS.md section from --out's summary.json (e.g. after editing --notes)")
+                   help="run nothing: rewrite the RESULTS.md section from --out's summary.json")
     p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md and bench/results/")
     return p
 

@@ -16,7 +16,7 @@ Two modes: ``--rate 0`` (default) sends as fast as the publisher can, measuring 
 feed applies; ``--rate R`` paces the fleet at R messages/s in all, measuring the share of a
 core that load takes.
 
-    PYTHONPATH=$PWD python bench/kv_feed_rate.py [--workers 64 --messages 200 --pages 8 --rate 0]
+    PYTHONPATH=$PWD python bench/micro/kv_feed_rate.py [--workers 64 --messages 200 --pages 8 --rate 0]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from policies.base import WorkerView  # noqa: E402
@@ -95,7 +95,7 @@ async def subscribe(args: argparse.Namespace) -> dict[str, float]:
     pub = subprocess.Popen([sys.executable, __file__, "--publisher", str(args.workers),
                             "--messages", str(args.messages), "--pages", str(args.pages), "--rate", str(args.rate)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     try:
         assert pub.stdout is not None and pub.stdin is not None
         line = pub.stdout.readline().strip()
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{interpreter_ns_per_step():.0f} ns per plain-loop step; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"command: PYTHONPATH=$PWD python bench/kv_feed_rate.py {' '.join(sys.argv[1:])}")
+    print(f"command: PYTHONPATH=$PWD python bench/micro/kv_feed_rate.py {' '.join(sys.argv[1:])}")
     print(f"fleet: {args.workers} publishers, {args.messages} batches each of {args.pages} one-page events "
           f"(page {PAGE}), {'as fast as possible' if not args.rate else f'{args.rate:g} messages/s in all'}")
     pages = r["received"] * args.pages

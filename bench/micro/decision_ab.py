@@ -8,7 +8,7 @@ precise index over the same fleet, and every next turn is timed on both, one rig
 the other in alternating order, so drift hits both alike. ``wire/`` and ``gateway/`` are
 this tree's for both.
 
-    PYTHONPATH=$PWD python bench/decision_ab.py --ref HEAD~1 --policy kv_events
+    PYTHONPATH=$PWD python bench/micro/decision_ab.py --ref HEAD~1 --policy kv_events
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from io import BytesIO
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.decision_cost import chat_text, conversation, fill, fleet  # noqa: E402

@@ -16,7 +16,7 @@ sglang-router's whole request (server + routing + client) costs ~78 us of CPU on
 machine (``bench/overhead.py``); if one half of an aiohttp proxy costs about that already,
 matching its req/s on one core is out of reach for aiohttp in any arrangement.
 
-    PYTHONPATH=$PWD /work/venv/bin/python -m bench.client_floor        # ~30 s
+    PYTHONPATH=$PWD /work/venv/bin/python -m bench.micro.client_floor        # ~30 s
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     med = [statistics.median(r[i] for r in rows) for i in range(3)]
     lines = [
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `PYTHONPATH=$PWD {' '.join([sys.executable, '-m', 'bench.client_floor', *(argv or sys.argv[1:])])}`",
+        f"- command: `PYTHONPATH=$PWD {' '.join([sys.executable, '-m', 'bench.micro.client_floor', *(argv or sys.argv[1:])])}`",
         f"- machine: {machine()}",
         f"- versions: {versions()}",
         f"- setup: kvgate's upstream aiohttp session on CPU {a.client_cpu}, {a.concurrency} tasks in a closed loop, "
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if not a.no_results:
-        write_results("## Floor of an aiohttp proxy (`bench/client_floor.py`)\n\n" + text, RESULTS, "main", "bench/client_floor.py")
+        write_results("## Floor of an aiohttp proxy (`bench/micro/client_floor.py`)\n\n" + text, RESULTS, "main", "bench/micro/client_floor.py")
     return 0
 
 

@@ -4,7 +4,7 @@ process so the machine's drift hits both alike. A second table: bodies whose ids
 sends turn after turn (an RL rollout), read with a recent list's prefix (``read_body`` with
 ``wire.prefix_ids``) against decoding them whole and packing them as the index then must.
 
-    PYTHONPATH=$PWD python bench/parse_body.py [--rounds 2000]
+    PYTHONPATH=$PWD python bench/micro/parse_body.py [--rounds 2000]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gateway.request as request  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402

@@ -18,8 +18,8 @@ absolute savings are smaller in proportion, the ratio similar).
 round robin (turn t of every chat, then turn t + 1): each turn is the last one's messages plus
 an answer and a new question (one block each), as a chat application sends them.
 
-    PYTHONPATH=$PWD python bench/tokenize_reuse.py [--limit 800 --budget-mb 64 --template llama3]
-    PYTHONPATH=$PWD python bench/tokenize_reuse.py --chats 50 --turns 20
+    PYTHONPATH=$PWD python bench/micro/tokenize_reuse.py [--limit 800 --budget-mb 64 --template llama3]
+    PYTHONPATH=$PWD python bench/micro/tokenize_reuse.py --chats 50 --turns 20
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import cpu_name  # noqa: E402
 from bench.trace import DEFAULT_TRACE, TraceRecord, block_text, load_trace  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
     print(f"- machine: {cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}")
     source = f"--chats {args.chats} --turns {args.turns}" if args.chats else f"--limit {args.limit}"
-    print(f"- command: `PYTHONPATH=$PWD python bench/tokenize_reuse.py {source} "
+    print(f"- command: `PYTHONPATH=$PWD python bench/micro/tokenize_reuse.py {source} "
           f"--budget-mb {args.budget_mb:g} --template {args.template}`")
     print(f"- {len(records)} requests, {tokens:,} prompt tokens ({tokens / len(records):,.0f} a request); "
           f"every request's ids identical both ways")

@@ -11,7 +11,7 @@ stored into a ``BlockIndex`` with that budget, then:
 * a ``kv_events`` decision on the next turn of a conversation stored last (so still held):
   the walk touches its run in the eviction order (budget 0 does not keep an order at all).
 
-    PYTHONPATH=$PWD python bench/index_budget.py [--budgets 0 1000000 500000 250000]
+    PYTHONPATH=$PWD python bench/micro/index_budget.py [--budgets 0 1000000 500000 250000]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.decision_cost import _p99, conversation, fill, fleet, rss_mib, timed  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
@@ -107,7 +107,7 @@ def main() -> None:
     print("# precise index under a memory budget (max_index_blocks)")
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
           f"{interpreter_ns_per_step():.0f} ns per step of a plain Python loop")
-    print(f"command: PYTHONPATH=$PWD python bench/index_budget.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"command: PYTHONPATH=$PWD python bench/micro/index_budget.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"fleet: 64 workers, {args.blocks:,} blocks stored (page {args.page_size}, "
           f"{args.conv_pages} pages a conversation); each budget in its own process")
     print()

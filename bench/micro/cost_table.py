@@ -1,6 +1,6 @@
 """Print the simulator's cost model per profile: what one prefill / decode step costs.
 
-``python -m bench.cost_table`` - pure arithmetic (no server), for checking the profiles
+``python -m bench.micro.cost_table`` - pure arithmetic (no server), for checking the profiles
 against published measurements (see ``simulator/profiles.py`` for the derivations).
 """
 

@@ -15,9 +15,9 @@ Late binding is off by default (``--max-hold-secs 0``): the stub answers at once
 ``cost`` prices prefill as a GPU would, so it holds most of 64 rollouts' requests and decides
 each again at every first token and completion, ~1.8 ms of CPU a request at the stub's
 pace (2.5 ms in all against 0.7 without holding, measured here); real engines' pace
-bounds that (``bench/hold_wake.py``), and it would hide what this bench measures.
+bounds that (``bench/micro/hold_wake.py``), and it would hide what this bench measures.
 
-    PYTHONPATH=$PWD python -m bench.ids_rollout [--reps 5]
+    PYTHONPATH=$PWD python -m bench.micro.ids_rollout [--reps 5]
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> int:
     print(f"# Gateway CPU per rollout request, ids cache on vs off "
           f"({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC})")
     print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
-    print(f"command: PYTHONPATH=$PWD python -m bench.ids_rollout {' '.join(sys.argv[1:])}".rstrip())
+    print(f"command: PYTHONPATH=$PWD python -m bench.micro.ids_rollout {' '.join(sys.argv[1:])}".rstrip())
     print(f"load: {a.rollouts} rollouts x {a.turns} turns per repetition ({requests} requests, "
           f"{a.ids:,} ids growing by {a.grow} a turn, {mean_ids:,.0f} on average), {a.reps} repetitions, "
           f"variants alternating; load generator on CPU {a.load_cpu}, stub + gateways on CPU {a.server_cpus}; "

@@ -16,7 +16,7 @@ arrived earlier. Every request here is the same size, so whichever is decided fi
 room frees takes it; a request held again goes to the back of the line, so some are
 expected with ``N``.
 
-    PYTHONPATH=$PWD python -m bench.hold_wake [--held 10 100 1000] [--workers 64] [--wake all 4]
+    PYTHONPATH=$PWD python -m bench.micro.hold_wake [--held 10 100 1000] [--workers 64] [--wake all 4]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
             rows.append((held, wake, med))
     print(f"# Late binding: decisions per event ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC})")
     print(f"machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
-    print(f"command: PYTHONPATH=$PWD python -m bench.hold_wake {' '.join(sys.argv[1:])}")
+    print(f"command: PYTHONPATH=$PWD python -m bench.micro.hold_wake {' '.join(sys.argv[1:])}")
     print(f"fleet: {args.workers} workers, saturated; {args.events} events per run, median of {args.repeat} runs")
     print()
     print("| held | wake | decisions per event | gateway CPU per event us | requests that left | order inversions |")

@@ -14,7 +14,7 @@ latency, which is what the stall shows up in, and the long ones'. The tokenizer 
 ``simulator.tiny_tokenizer``'s byte-level BPE (built offline, ~0.3 us per character here:
 slower than a large-vocabulary model's, so real stalls are shorter in proportion).
 
-    PYTHONPATH=$PWD python bench/tokenize_stall.py [--seconds 15 --repeat 2 --long-chars 100000 --long-rate 4]
+    PYTHONPATH=$PWD python bench/micro/tokenize_stall.py [--seconds 15 --repeat 2 --long-chars 100000 --long-rate 4]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import cpu_name  # noqa: E402
 from bench.services import Service, free_port  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> None:
             s.stop()
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"command: PYTHONPATH=$PWD python bench/tokenize_stall.py --seconds {args.seconds:g} --repeat {args.repeat} "
+    print(f"command: PYTHONPATH=$PWD python bench/micro/tokenize_stall.py --seconds {args.seconds:g} --repeat {args.repeat} "
           f"--long-chars {args.long_chars} --long-rate {args.long_rate:g} --clients {args.clients}")
     print(f"long prompt: {args.long_chars} chars, {n_tokens} tokens, encoded in {encode_ms:.1f} ms on one thread\n")
     print("| gateway | run | short requests | short p50 ms | short p99 ms | short max ms | long requests | long p50 ms |")

@@ -4,7 +4,7 @@ Starts ``--workers`` simulated workers, replays the same trace slice once per st
 (caches flushed in between) and prints one row per strategy. No gateway involved: this is
 the yardstick the gateway's policies are compared against.
 
-    python -m bench.engine_baselines --workers 4 --limit 400 --time-scale 50
+    python -m bench.micro.engine_baselines --workers 4 --limit 400 --time-scale 50
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from simulator.cluster import SimCluster
 
-from .replay import replay, round_robin
-from .trace import DEFAULT_TRACE, TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
+from ..replay import replay, round_robin
+from ..trace import DEFAULT_TRACE, TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
 
 
 def conversation_affinity(i: int, record: TraceRecord, urls: Sequence[str]) -> str:
