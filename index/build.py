@@ -19,7 +19,7 @@ from index.tree_budget import TreeBudget
 from wire.options import on_off, opt
 
 # ~360 bytes a block with 64 workers when built, ~700 once churned at the budget
-# (bench/index_budget.py), so 1.4-2.8 GiB; an SGLang fleet at page size 1 reports a block
+# (bench/micro/index_budget.py), so 1.4-2.8 GiB; an SGLang fleet at page size 1 reports a block
 # per token and can reach it.
 DEFAULT_MAX_INDEX_BLOCKS = 1 << 22
 # Fixed by default: a budget sized to the fleet's KV ("auto") forgot conversations the

@@ -221,7 +221,7 @@ class KvEventFeed:
         through the blocking API from a reader on its file descriptor, draining what has
         arrived at each wakeup: pyzmq's asyncio poller cost ~100 us of the loop per message
         (a future per socket per poll, another per receive), so 64 workers' events took
-        three quarters of a core (bench/kv_feed_rate.py). ZMQ's descriptor is edge-triggered: it signals when the
+        three quarters of a core (bench/micro/kv_feed_rate.py). ZMQ's descriptor is edge-triggered: it signals when the
         socket's state changes, so a wakeup drains until the socket says it is empty (or the
         loop's slice for events is spent, and then it goes on after one turn of the loop)."""
         assert self._ctx is not None

@@ -30,7 +30,7 @@ a copy of the hash state per cut), mapped to the entry that holds its ids and th
 place there; the deepest cut a recent prompt shares wins. Entries hold ids packed (4 bytes
 a token) under one byte budget, least recently used out first; an entry whose every cut
 was taken over by a newer prompt that extends it (the next turn) is dropped at once, so a
-conversation keeps one entry, not one per turn. Measured in ``bench/tokenize_reuse.py``
+conversation keeps one entry, not one per turn. Measured in ``bench/micro/tokenize_reuse.py``
 (bench/RESULTS.md): 0.15 of the tokenizer's CPU on 20-turn chats, 0.78 on the Mooncake trace.
 """
 

@@ -2,8 +2,8 @@
 
 On a shared VM whole runs of ``bench/decision_cost.py`` drift by tens of percent within
 minutes (``bench.host.interpreter_ns_per_step`` moves with them), more than most changes
-to a policy are worth. Here the other commit's ``policies/`` package is loaded beside this
-one (extracted with ``git archive`` under the name ``policies_ref``), each builds its own
+to a policy are worth. Here the other commit's ``policies/`` and ``index/`` packages are loaded beside
+this tree's (extracted with ``git archive`` as ``policies_ref`` and ``index_ref``), each builds its own
 precise index over the same fleet, and every next turn is timed on both, one right after
 the other in alternating order, so drift hits both alike. ``wire/`` and ``gateway/`` are
 this tree's for both.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import random
 import re
 import statistics
@@ -36,14 +37,20 @@ from policies.base import RequestView  # noqa: E402
 
 
 def load_ref(commit: str, into: Path) -> str:
-    """``policies/`` at ``commit`` as the package ``policies_ref`` under ``into``."""
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "policies"], check=True,
+    """``policies/`` (and ``index/``, where the commit has it) at ``commit`` as the packages
+    ``policies_ref`` and ``index_ref`` under ``into``."""
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit], check=True,
+                           capture_output=True, text=True).stdout.split()
+    layers = [name for name in ("policies", "index") if name in names]
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *layers], check=True,
                          capture_output=True).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(into, filter="data")
-    (into / "policies").rename(into / "policies_ref")
-    for path in (into / "policies_ref").glob("*.py"):
-        path.write_text(re.sub(r"\b(from|import) policies\.", r"\1 policies_ref.", path.read_text()))
+    for layer in layers:
+        (into / layer).rename(into / f"{layer}_ref")
+    for layer in layers:
+        for path in (into / f"{layer}_ref").glob("*.py"):
+            path.write_text(re.sub(r"\b(from|import) (policies|index)\.", r"\1 \2_ref.", path.read_text()))
     sys.path.insert(0, str(into))
     return "policies_ref"
 
@@ -75,8 +82,12 @@ def main() -> None:
     def policy(package: str):
         """The policy on its own precise index, filled as decision_cost fills its."""
         # with the memory budget the policies build it with, where that code has one
-        layer = "index" if package == "policies" else package  # a copy of the tree keeps its own layout
-        budget = getattr(importlib.import_module(layer + ".build"), "DEFAULT_MAX_INDEX_BLOCKS", None)
+        # the index layer beside the policies, or inside them in a commit from before it had its own
+        layer = package.replace("policies", "index")
+        if importlib.util.find_spec(layer) is None:
+            layer = package
+        where = layer + ".build" if importlib.util.find_spec(layer + ".build") else package + ".kv_events"
+        budget = getattr(importlib.import_module(where), "DEFAULT_MAX_INDEX_BLOCKS", None)
         extra = {} if budget is None else {"max_blocks": budget}
         index = importlib.import_module(layer + ".block_index").BlockIndex(speculative_ttl_s=args.speculative_ttl,
                                                                              **extra)
