@@ -35,18 +35,17 @@ class BlockIndex:
 
     def __init__(self, default_page_size: int = 1, speculative_ttl_s: float = 3.0,
                  shared_pool: bool = True, max_blocks: int = 0) -> None:
-        self.default_page_size = int(default_page_size)
-        self.max_blocks = max(int(max_blocks), 0)  # 0: no budget
-        lru: OrderedDict[Run, None] | None = OrderedDict() if self.max_blocks else None
-        self._workers = WorkerSlots(self.default_page_size)
+        max_blocks = max(int(max_blocks), 0)  # 0: no budget
+        lru: OrderedDict[Run, None] | None = OrderedDict() if max_blocks else None
+        self._workers = WorkerSlots(default_page_size)
         self._keyed = HashKeyed()
         self._places = BlockPlaces(self._workers, self._keyed, lru, shared_pool)
         self._spec = Speculative(speculative_ttl_s, self._places.roots, lru, self._places.root)
-        self._budget = BlockBudget(self.max_blocks, lru, self._places, self._workers, self._keyed, self._spec)
+        self._budget = BlockBudget(max_blocks, lru, self._places, self._workers, self._keyed, self._spec)
         # The parts' containers under the names the hot paths and tests read (never rebound).
         self._slots, self._urls, self._page_size = self._workers.by_url, self._workers.urls, self._workers.page_sizes
         self._roots, self._where, self._holders = self._places.roots, self._places.where, self._places.holders
-        self.pool, self.shared_pool = self._places.pool, self._places.shared_pool
+        self.pool = self._places.pool
         self._hashed, self._by_hash, self.chains = self._keyed.hashed, self._keyed.by_hash, self._keyed.chains
         self._spec_runs, self._spec_queue, self._lru = self._spec.runs, self._spec.queue, lru
         self._last_match: tuple[str, IndexMatch] | None = None
@@ -55,8 +54,14 @@ class BlockIndex:
         self.events_applied = 0
         self.clears = 0
 
+    # Settings and counters kept by the parts.
+    default_page_size = property(lambda self: self._workers.default_page_size,
+                                 lambda self, ps: setattr(self._workers, "default_page_size", int(ps)))
+    shared_pool = property(lambda self: self._places.shared_pool,
+                           lambda self, on: setattr(self._places, "shared_pool", bool(on)))
     speculative_ttl_s = property(lambda self: self._spec.ttl_s,
                                  lambda self, ttl_s: setattr(self._spec, "ttl_s", float(ttl_s)))
+    max_blocks = property(lambda self: self._budget.max_blocks)
     evicted = property(lambda self: self._budget.evicted)
     dropped = property(lambda self: self._budget.dropped)
     orphans = property(lambda self: self._places.orphans)
@@ -146,7 +151,8 @@ class BlockIndex:
         budget = self._budget
         if parent is not None and budget.evicted and budget.drop_orphan(parent, hashes, token_ids):
             return
-        self._places.store(url, hashes, parent, tier, block_size or self._page_size.get(url, self.default_page_size),
+        self._places.store(url, hashes, parent, tier,
+                           block_size or self._page_size.get(url, self._workers.default_page_size),
                            token_ids, cache_salt)
         if budget.fit():
             self._epoch += 1
