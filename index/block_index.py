@@ -1,326 +1,31 @@
 """Precise prefix index: the blocks each worker reported through SGLang KV events.
 
-Pages live in a trie of page runs keyed by their tokens (``index.page_trie``).
-``BlockStored`` events carry each block's tokens and parent, so each block gets its place
-in the trie when its event arrives, and ``block hash -> (run, offset)`` serves the events
-that name blocks by hash only (``BlockRemoved``, tiers reporting a block again). A prompt is
-matched by packing its ids once and comparing them with the runs in C: no hash of the
-prompt and no per-page lookup at decision time. (SGLang names pages by a SHA-256 chain,
-``wire.hashing``, ~1 us per page in Python; a chain of Python hashes per page plus a lookup
-per page in a dict of a million entries was the previous design, ~95 us per 2,600-token
-prompt on a 1M-block fleet against ~35 us now, 15 of them packing the ids.) Where a chain
-starts (``parent_block_hash`` is None) the first page's SHA is checked against the event's
-hash to learn which salt, if any, the engine hashed with, and each (page size, salt) has its
-own root, so salted and unsalted chains stay apart exactly as their SHA chains do.
-
-Blocks that cannot be placed (an event without token ids, a parent the index never saw, a
-chain start hashed some other way) are kept by block hash instead
-(``index_hash_keyed_blocks``). While any exist the walk also computes the prompt's SHA chain
-(memoised across turns, ``index.page_hash_cache``) and ORs both, page by page, so matches
-stay exactly what a SHA-keyed index gives; the cost comes back only while such blocks do. A
-block first seen without tokens moves to its place when an event brings them.
-
-Every worker gets a slot; a page's mask is one int with three bits per slot, set when the
-worker holds the block on GPU (bit ``3*slot``), on GPU or host (``3*slot+1``), in any tier
-including the shared pool (``3*slot+2``). Along the prompt's path the masks are
-AND-accumulated: bit ``3*slot+t`` of the running AND is set exactly while every page so far
-is in tier <= t on that worker, so the positions where it loses bits give every worker's
-prefix length per tier. A run whose matched pages all carry one mask (the usual case: a
-conversation's pages are stored and evicted together) costs one AND; others are accumulated
-in C and bisected for the few positions where bits drop. The pages every candidate holds on
-GPU (up to the first bit that drops: a system prompt on the whole fleet) are one number,
-``IndexMatch.everyone``, and only workers holding more are listed: listing all 64 cost ~75
-us of a match through such a prefix. A page held out of order (a hole from a lost event, an
-expiring speculative entry) ends the prefix there, as it would in the engine. Each worker's
-own raw tier bits per block hash live in its slot's dict (used for updates), and how many
-workers hold each hash decides when a block is forgotten.
-
-Blocks whose parent the worker never reported are counted (``orphans``: a sign of lost
-events). Parent links themselves are not kept: the trie's runs are the chains, and a dict
-entry per block was ~20% of the index's memory with nothing reading it.
-
-The Mooncake pool (medium ``EXTERNAL``/``DISK``) is one store shared by every engine
-attached to it, so by default (``shared_pool``) a page any engine announced there counts for
-every worker: it is flagged once on its page, and a worker's prefix extends through the
-pool's leading pages whatever that worker holds itself. Per-worker pool bits remain for
-fleets whose engines do not share one pool (``shared_pool=False``).
-
-A memory budget (``max_blocks``; policy option ``max_index_blocks``) bounds the blocks known.
-The index then keeps its runs in least recently used order (the run a prompt's path ends in,
-and a store's deepest page, become the newest) and, past the budget, forgets the oldest run's
-pages past its last branch, deepest first and only as many as it must: a conversation's own
-pages, as SGLang's radix cache evicts its least recently used leaves, while a prefix shared
-by several stays as long as any branch under it is used. Forgetting is for every worker at
-once (the pages leave the trie), and once the index has forgotten anything, chains reported
-under a parent it does not know are dropped rather than kept by hash (``_drop_orphan``).
-
-Speculative entries cover the time between routing a request and the engine's
-``BlockStored`` arriving: ``record`` marks the request's pages the worker was not already
-known to hold as on its GPU for ``speculative_ttl_s`` seconds, adding the pages to the trie
-if they are new (one append or one new run); expiry clears them and trims what no block
-names.
+``BlockIndex`` applies the events and matches prompts, composing the parts that keep the
+state: ``worker_slots`` (whose bits are whose), ``block_places`` (each block's page in the
+trie, holders, shared-pool flags), ``hash_keyed`` (blocks without a place and the SHA-chain
+match), ``speculative`` (routed requests' pages until their events come), ``block_budget``
+(LRU eviction past ``max_blocks``), and ``block_masks`` (the mask reads of a match, in C).
+A prompt is matched by packing its ids once and walking the trie; no SHA at decision time
+while every block has its place.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import accumulate, chain as chained, filterfalse, repeat, takewhile
-from operator import and_, attrgetter, or_
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from itertools import filterfalse, repeat
 
-from index.views import RequestView, WorkerView
-from index.page_hash_cache import PageHashCache
-from index.page_trie import Path, Run, detach, grow, step, trim, walk
+from index.block_budget import BlockBudget
+from index.block_masks import _held_on_path, _pooled_on_path, medium_tier
+from index.block_places import BlockPlaces
+from index.hash_keyed import HashKeyed
+from index.page_trie import Path, Run, walk
 from index.prefix import IndexMatch, Tiers, Unit
-from wire.hashing import page_hashes, uint32_le
+from index.speculative import Speculative
+from index.views import RequestView, WorkerView
+from index.worker_slots import WorkerSlots
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredRef, Event
-
-log = logging.getLogger("kvgate.policies.kv_events")
-
-TIER_OF_MEDIUM = {"GPU": 0, "CPU_PINNED": 1, "CPU": 1, "DISK": 2, "EXTERNAL": 2}
-# Raw tier bits of one slot (1 GPU, 2 host, 4 pool) -> its "at most this slow" bits.
-_CUMULATIVE = [0, 7, 6, 7, 4, 7, 6, 7]
-_url = attrgetter("url")
-Place = tuple[Run, int]
-
-
-def medium_tier(medium: str | None) -> int:
-    """0 GPU, 1 host, 2 pool or disk; SGLang's spelling first, then any case."""
-    if not medium:
-        return 0
-    tier = TIER_OF_MEDIUM.get(medium)
-    return TIER_OF_MEDIUM.get(medium.upper(), 0) if tier is None else tier
-
-
-_BITS: dict[int, tuple[int, ...]] = {}
-
-
-def _bit_indexes(mask: int) -> tuple[int, ...]:
-    """The set bits of ``mask``, lowest first. Kept for the last few thousand masks: a
-    fleet's masks repeat (a conversation's pages share one, and matches AND the same
-    candidates with it), and finding the bits again in Python took ~1 us of every match."""
-    bits = _BITS.get(mask)
-    if bits is None:
-        found, rest = [], mask
-        while rest:
-            low = rest & -rest
-            found.append(low.bit_length() - 1)
-            rest ^= low
-        if len(_BITS) >= 4096:
-            _BITS.clear()
-        bits = _BITS[mask] = tuple(found)
-    return bits
-
-
-def _set_mask(run: Run, i: int, mask: int) -> None:
-    """Store a page's mask, sharing the int object of an equal neighbour: a run of one mask
-    is then one object repeated, which ``list.count`` checks by identity (big ints compared
-    by value cost ~20 ns each, ~5 us for a 250-page run on every match)."""
-    masks = run.masks
-    if i and masks[i - 1] == mask:
-        mask = masks[i - 1]
-    elif i + 1 < len(masks) and masks[i + 1] == mask:
-        mask = masks[i + 1]
-    masks[i] = mask
-    if i < run.flat:
-        run.flat = i
-
-
-def _name(run: Run, i: int, h: int) -> None:
-    """One more block hash names page ``i`` (usually the only one)."""
-    names = run.names[i]
-    if names is None:
-        run.names[i] = h
-    elif type(names) is list:
-        names.append(h)
-    else:
-        run.names[i] = [names, h]
-
-
-def _combine(values: list[int], a: int, b: int, op, bits: int) -> None:
-    """``values[a:b] = op(value, bits)`` for each, in C; values that were all equal end as
-    one shared object (see ``_set_mask``)."""
-    if a >= b:
-        return
-    if values[a:b].count(values[a]) == b - a:
-        values[a:b] = repeat(op(values[a], bits), b - a)
-    else:
-        values[a:b] = map(op, values[a:b], repeat(bits))
-
-
-def _head(values: list[int], n: int) -> list[int]:
-    return values if n == len(values) else values[:n]
-
-
-def _drops(acc: list[int], base: int, pages: dict[int, int]) -> None:
-    """``acc`` is a running AND (``acc[0]`` before the first page): for every bit it loses,
-    record how many pages kept it (plus ``base``), bisecting for the few changes."""
-    stack = [(0, len(acc) - 1)]
-    while stack:
-        lo, hi = stack.pop()
-        if acc[lo] == acc[hi]:
-            continue
-        if hi - lo == 1:
-            if base + lo:  # bits no page kept are misses: not recorded
-                for b in _bit_indexes(acc[lo] & ~acc[hi]):
-                    pages[b] = base + lo
-            continue
-        mid = (lo + hi) // 2
-        stack.append((lo, mid))
-        stack.append((mid, hi))
-
-
-def _held_pages(masks: Iterable[int], wanted: int) -> dict[int, int]:
-    """Bit index -> number of leading pages whose mask has that bit, page by page. The
-    running AND stops at the first page no candidate holds."""
-    acc = list(takewhile(bool, accumulate(masks, and_, initial=wanted)))
-    pages: dict[int, int] = {}
-    if len(acc) > 1:
-        _drops(acc, 0, pages)
-        for b in _bit_indexes(acc[-1]):
-            pages[b] = len(acc) - 1
-    return pages
-
-
-def _path_masks(run: Run, n: int) -> list[int]:
-    """The first ``n`` pages' masks with their speculative bits."""
-    masks = _head(run.masks, n)
-    return masks if run.spec is None else list(map(or_, masks, run.spec))
-
-
-def _leading(values: list[int], known: int, n: int) -> int:
-    """Where the stretch of ``values[:n]`` equal to ``values[0]`` ends, given that the first
-    ``known`` are: the usual run carries one mask, so one count over the rest tells."""
-    if known >= n:
-        return n
-    rest = values if not known and n == len(values) else values[known:n]
-    return n if rest.count(values[0]) == n - known else _stretch(values, 0, n, max(known, 1))
-
-
-def _stretch(values: list[int], a: int, n: int, lo: int = 0) -> int:
-    """Where the stretch of ``values[a:n]`` equal to ``values[a]`` ends, given that it goes
-    at least to ``lo``, found with ``count`` over slices in C, growing then halved: the cost
-    follows the stretch's length, not the run's. Pages stored or evicted together share one
-    mask object (``_set_mask``), which ``count`` checks by identity."""
-    v = values[a]
-    lo, step, hi = max(lo, a + 1), 16, n
-    while lo < n:
-        hi = min(lo + step, n)
-        if values[lo:hi].count(v) != hi - lo:
-            break
-        lo, step = hi, step * 4
-    else:
-        return n
-    while hi - lo > 1:  # values[a:lo] equal v; one of values[lo:hi] does not
-        mid = (lo + hi) >> 1
-        if values[lo:mid].count(v) == mid - lo:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _held_on_path(path: Path, wanted: int) -> tuple[dict[int, int], int]:
-    """``_held_pages`` over a trie path, one AND per stretch of pages that share one mask (a
-    conversation's pages are stored and evicted together, so a run is one stretch or a few),
-    and the floor: the leading pages every candidate holds on GPU, where the first bit drops.
-    Bits that drop there are left out of ``pages`` (their count is the floor), so a prefix
-    every worker holds (a system prompt on the whole fleet) costs one number instead of an
-    entry per worker and tier (~190 bits at 64 workers, ~40 us of a match in Python).
-
-    How far a run's first stretch goes is kept on the run (``flat``, ``spec_flat``) from one
-    match to the next, so a long run is counted once, not on every match. A run cut into
-    short stretches (holes, one-page speculative entries) is read page by page instead, in
-    C: past 4 stretches averaging under 32 pages, a stretch costs more in Python than its
-    pages do. At page size 1 a 4,000-page run with speculative bits on its tail was read
-    page by page before, ~340 us."""
-    pages: dict[int, int] = {}
-    if not wanted:
-        return pages, 0
-    acc, pos, floor = wanted, 0, -1  # (-1: no bit has dropped yet)
-    for run, n in path:
-        masks, spec = run.masks, run.spec
-        mask_end = _leading(masks, run.flat, n)
-        if mask_end > run.flat:
-            run.flat = mask_end
-        spec_end = n
-        if spec is not None:
-            spec_end = _leading(spec, run.spec_flat, n)
-            if spec_end > run.spec_flat:
-                run.spec_flat = spec_end
-        a = stretches = 0
-        while a < n:
-            if stretches > 4 and a < 32 * stretches:  # short stretches: the rest page by page
-                rest = masks[a:n] if spec is None else list(map(or_, masks[a:n], spec[a:n]))
-                acc, floor = _fold_pages(rest, acc, pos + a, floor, pages)
-                break
-            if mask_end <= a:
-                mask_end = _stretch(masks, a, n)
-            mask = masks[a]
-            if spec is None:
-                end = mask_end
-            else:
-                if spec_end <= a:
-                    spec_end = _stretch(spec, a, n)
-                mask |= spec[a]
-                end = mask_end if mask_end < spec_end else spec_end
-            new = acc & mask
-            if new != acc:
-                if floor < 0:
-                    floor = pos + a
-                else:  # (past the floor, so past the first page)
-                    for b in _bit_indexes(acc & ~new):
-                        pages[b] = pos + a
-                acc = new
-                if not acc:
-                    break
-            a, stretches = end, stretches + 1
-        if not acc:
-            return pages, floor
-        pos += n
-    if floor < 0:  # every candidate holds the whole path
-        return pages, pos
-    for b in _bit_indexes(acc):
-        pages[b] = pos
-    return pages, floor
-
-
-def _fold_pages(masks: list[int], acc: int, at: int, floor: int, pages: dict[int, int]) -> tuple[int, int]:
-    """The running AND through ``masks`` (pages ``at`` on), page by page in C, recording
-    the bits that drop as ``_held_on_path`` does; returns (the AND, 0 where it ran out, and
-    the floor)."""
-    running = list(takewhile(bool, accumulate(masks, and_, initial=acc)))
-    if floor >= 0:
-        _drops(running, at, pages)
-    elif running[-1] != acc:  # the first drop is here: after the leading equal ANDs
-        f = running.count(acc) - 1
-        floor = at + f
-        _drops(running[f + 1:], floor + 1, pages)
-    if len(running) > len(masks):
-        return running[-1], floor
-    stop = at + len(running) - 1  # some page held by no candidate: the rest stop here
-    if floor < 0:
-        floor = stop
-    elif stop:  # (bits no page kept are misses: not recorded)
-        for b in _bit_indexes(running[-1]):
-            pages[b] = stop
-    return 0, floor
-
-
-def _pooled_on_path(path: Path) -> int:
-    """Leading pages of the path that the shared pool holds."""
-    pooled = 0
-    for run, n in path:
-        flags = run.pooled
-        if flags is None:
-            break
-        gap = flags.find(0, 0, n)
-        if gap >= 0:
-            return pooled + gap
-        pooled += n
-    return pooled
 
 
 class BlockIndex:
@@ -330,83 +35,54 @@ class BlockIndex:
 
     def __init__(self, default_page_size: int = 1, speculative_ttl_s: float = 3.0,
                  shared_pool: bool = True, max_blocks: int = 0) -> None:
-        self.default_page_size = int(default_page_size)
-        self.max_blocks = max(int(max_blocks), 0)  # 0: no budget
-        # Runs least recently matched or stored first, when there is a budget to keep.
-        self._lru: OrderedDict[Run, None] | None = OrderedDict() if self.max_blocks else None
-        self.evicted = 0
-        self.dropped = 0
-        self.shared_pool = bool(shared_pool)
-        self.pool: set[int] = set()  # block hashes in the shared store (when shared_pool)
-        self.speculative_ttl_s = float(speculative_ttl_s)
-        self._roots: dict[tuple[int, str | None], Run] = {}  # (page size, salt) -> trie root
-        self._where: dict[int, Place] = {}  # block hash -> its page in the trie
-        self._holders: dict[int, int] = {}  # block hash -> how many workers hold it
-        self._hashed: dict[int, int] = {}  # block hash -> tier bits, for blocks with no place
-        self._by_hash: set[int] = set()  # block hashes held (or pooled) with no place
-        self._slots: dict[str, int] = {}
-        self._urls: list[str | None] = []
-        self._owned: list[dict[int, int]] = []  # per slot: block hash -> raw tier bits
-        self._keep: list[int] = []  # per slot: the mask that clears its bits
-        self._cumulative: list[list[int]] = []  # per slot: _CUMULATIVE shifted into place
-        self._free: list[int] = []
-        self._page_size: dict[str, int] = {}
-        self._spec_runs: dict[int, set[Run]] = {}  # slot -> runs holding its speculative bits
-        self._dirty: set[Run] = set()  # runs with pages no hash names any more, to trim
-        self._spec_queue: deque[tuple[float, int, list[tuple[Run, int, int]]]] = deque()
-        self._last_prompt: list = [None, None, {}, None]  # [tokens, packed, SHA chains, salt]
-        self.chains = PageHashCache()
+        max_blocks = max(int(max_blocks), 0)  # 0: no budget
+        lru: OrderedDict[Run, None] | None = OrderedDict() if max_blocks else None
+        self._workers = WorkerSlots(default_page_size)
+        self._keyed = HashKeyed()
+        self._places = BlockPlaces(self._workers, self._keyed, lru, shared_pool)
+        self._spec = Speculative(speculative_ttl_s, self._places.roots, lru, self._places.root)
+        self._budget = BlockBudget(max_blocks, lru, self._places, self._workers, self._keyed, self._spec)
+        # The parts' containers under the names the hot paths and tests read (never rebound).
+        self._slots, self._urls, self._page_size = self._workers.by_url, self._workers.urls, self._workers.page_sizes
+        self._roots, self._where, self._holders = self._places.roots, self._places.where, self._places.holders
+        self.pool = self._places.pool
+        self._hashed, self._by_hash, self.chains = self._keyed.hashed, self._keyed.by_hash, self._keyed.chains
+        self._spec_runs, self._spec_queue, self._lru = self._spec.runs, self._spec.queue, lru
         self._last_match: tuple[str, IndexMatch] | None = None
         self._last_walk: tuple | None = None  # (request id, page size, epoch, walk result)
         self._epoch = 0  # bumps on every change, so a cached walk is known to be current
-        self._version = 0  # bumps when slots or page sizes change
-        self._groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int, list[str], frozenset[str]]]]] = {}
-        self._last_candidates: tuple[int, list[WorkerView], list] = (-1, [], [])
-        self.orphans = 0
         self.events_applied = 0
         self.clears = 0
 
+    # Settings and counters kept by the parts.
+    default_page_size = property(lambda self: self._workers.default_page_size,
+                                 lambda self, ps: setattr(self._workers, "default_page_size", int(ps)))
+    shared_pool = property(lambda self: self._places.shared_pool,
+                           lambda self, on: setattr(self._places, "shared_pool", bool(on)))
+    speculative_ttl_s = property(lambda self: self._spec.ttl_s,
+                                 lambda self, ttl_s: setattr(self._spec, "ttl_s", float(ttl_s)))
+    max_blocks = property(lambda self: self._budget.max_blocks)
+    evicted = property(lambda self: self._budget.evicted)
+    dropped = property(lambda self: self._budget.dropped)
+    orphans = property(lambda self: self._places.orphans)
+
     # -- workers ------------------------------------------------------------------------
     def slot(self, url: str) -> int:
-        s = self._slots.get(url)
-        if s is None:
-            if self._free:
-                s = self._free.pop()
-                self._urls[s] = url
-            else:
-                s = len(self._urls)
-                self._urls.append(url)
-                self._owned.append({})
-                self._keep.append(~(7 << 3 * s))
-                self._cumulative.append([c << 3 * s for c in _CUMULATIVE])
-            self._slots[url] = s
-            self._version += 1
-        return s
+        return self._workers.slot(url)
 
     def set_page_size(self, url: str, page_size: int) -> None:
-        self._page_size[url] = int(page_size)
-        self._version += 1
+        self._workers.set_page_size(url, page_size)
 
     def page_size_of(self, worker: WorkerView) -> int:
-        """The engine's page size: from its events' ``block_size``, else ``server_info``, else
-        the default (not remembered, so a later server_info or event still wins)."""
-        ps = self._page_size.get(worker.url)
-        if ps is None:
-            reported = worker.server_info.get("page_size")
-            if not reported:
-                return self.default_page_size
-            ps = self._page_size[worker.url] = int(reported)
-            self._version += 1
-        return ps
+        return self._workers.page_size_of(worker)
+
+    def worker_size(self, url: str) -> int:
+        return self._workers.worker_size(url)
 
     def remove_worker(self, url: str) -> None:
         if url in self._slots:
             self.clear_worker(url)
-            s = self._slots.pop(url)
-            self._urls[s] = None
-            self._free.append(s)
-        self._page_size.pop(url, None)
-        self._version += 1
+        self._workers.remove(url)
 
     def clear_worker(self, url: str) -> None:
         """Forget every block of ``url``: after AllBlocksCleared, a reconnect or a lost gap."""
@@ -415,150 +91,8 @@ class BlockIndex:
             return
         self.clears += 1
         self._epoch += 1
-        keep = self._keep[s]
-        owned, self._owned[s] = self._owned[s], {}
-        for h in owned:
-            self._set_bits(h, keep, 0)
-            self._unhold(h)
-        self._trim_dirty()
-        for run in self._spec_runs.pop(s, ()):
-            if run.until is None or run.until.pop(s, None) is None:
-                continue
-            if not run.until:
-                run.until = None
-            if run.spec is not None:
-                _combine(run.spec, 0, len(run.spec), and_, keep)  # (equal bits stay equal: spec_flat holds)
-                if not any(run.spec):
-                    run.spec = None
-            trim(run, self._roots, self._lru)
-
-    def _set_bits(self, h: int, keep: int, bits: int) -> None:
-        """Block ``h``'s mask becomes ``(mask & keep) | bits``, on its page or, without one,
-        in the hash-keyed blocks."""
-        place = self._where.get(h)
-        if place is not None:
-            run, i = place
-            _set_mask(run, i, (run.masks[i] & keep) | bits)
-            return
-        m = (self._hashed.get(h, 0) & keep) | bits
-        if m:
-            self._hashed[h] = m
-        else:
-            self._hashed.pop(h, None)
-
-    def worker_size(self, url: str) -> int:
-        s = self._slots.get(url)
-        return len(self._owned[s]) if s is not None else 0
-
-    # -- placing blocks -----------------------------------------------------------------
-    def _chain_salt(self, block_hash: int, first_page: list[int], cache_salt: str | None) -> tuple[bool, str | None]:
-        """Which salt the engine hashed a chain's first page with (checked against its hash):
-        (True, salt or None), or (False, None) when neither fits."""
-        try:
-            for salt in ((cache_salt, None) if cache_salt else (None,)):
-                if page_hashes(first_page, len(first_page), salt)[0] == block_hash:
-                    return True, salt
-        except (OverflowError, TypeError):  # ids SGLang could not have hashed: keep it by hash
-            pass
-        return False, None
-
-    def _root(self, page_size: int, salt: str | None) -> Run:
-        root = self._roots.get((page_size, salt))
-        if root is None:
-            root = self._roots[(page_size, salt)] = Run(None, (page_size, salt), 4 * page_size)
-        return root
-
-    def _place(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
-               page_size: int, cache_salt: str | None) -> tuple[list[Place | None], int]:
-        """The trie place of each block of one ``BlockStored`` (None: kept by hash), and
-        from which block on the chain was new and appended whole (``len(hashes)`` if not):
-        those blocks are known to nobody yet, which ``store`` uses to update them in bulk."""
-        where = self._where
-        packed = None
-        n = len(hashes)
-        if n and token_ids and len(token_ids) >= n * page_size:
-            try:
-                packed = uint32_le(token_ids if len(token_ids) == n * page_size else token_ids[: n * page_size])
-            except (OverflowError, TypeError):
-                packed = None
-        prev: Place | None = where.get(parent) if parent is not None else None
-        if packed is not None and parent is None and hashes[0] not in where:
-            known, salt = self._chain_salt(hashes[0], list(token_ids[:page_size]), cache_salt)
-            if known:
-                prev = (self._root(page_size, salt), -1)
-        width = 4 * page_size
-        out: list[Place | None] = []
-        for i, h in enumerate(hashes):
-            place = where.get(h)
-            if place is None:
-                if packed is not None and prev is not None and prev[0].width == width:
-                    run, at = prev[0], prev[1] + 1
-                    if n - i > 1 and at == len(run.masks) and at not in run.children:
-                        rest = hashes[i:]
-                        if self._new_chain(rest):  # a new chain at the end of a run: append it whole
-                            grow(run, at, packed[i * width:])
-                            run.names[at:] = rest
-                            out += zip(repeat(run), range(at, at + n - i))
-                            where.update(zip(rest, out[i:]))
-                            self._touch(run)
-                            return out, i
-                    place = step(run, at, packed if n == 1 else packed[i * width:(i + 1) * width])
-                    where[h] = place
-                    _name(place[0], place[1], h)
-                    if h in self._by_hash:  # first reported without tokens: move it here
-                        self._by_hash.discard(h)
-                        m = self._hashed.pop(h, 0)
-                        if m:
-                            _set_mask(place[0], place[1], place[0].masks[place[1]] | m)
-                        if h in self.pool:
-                            place[0].mark_pooled(place[1], True)
-                else:
-                    self._by_hash.add(h)
-            out.append(place)
-            prev = place
-        if self._lru is not None:  # the deepest page placed
-            self._touch(next((p[0] for p in reversed(out) if p is not None), None))
-        return out, n
-
-    def _new_chain(self, hashes: Sequence[int]) -> bool:
-        """No block of ``hashes`` is known (placed, or kept by hash: the pool's blocks are one
-        or the other) and none repeats."""
-        where, by_hash = self._where, self._by_hash
-        return (not any(map(where.__contains__, hashes)) and not (by_hash and any(map(by_hash.__contains__, hashes)))
-                and len(set(hashes)) == len(hashes))
-
-    def _unhold(self, h: int) -> None:
-        """One worker less holds ``h``; forget it when none does and the pool does not."""
-        left = self._holders.get(h, 0) - 1
-        if left > 0:
-            self._holders[h] = left
-            return
-        self._holders.pop(h, None)
-        if h not in self.pool:
-            self._release(h)
-
-    def _release(self, h: int) -> None:
-        place = self._where.pop(h, None)
-        if place is None:
-            self._by_hash.discard(h)
-            self._hashed.pop(h, None)
-            return
-        run, i = place
-        names = run.names[i]
-        if type(names) is list:
-            names.remove(h)
-            if len(names) == 1:
-                run.names[i] = names[0]
-        else:
-            run.names[i] = None
-            self._dirty.add(run)  # trimmed once the whole event is applied
-
-    def _trim_dirty(self) -> None:
-        """Trim the runs that lost pages: once per run and event, however many it lost
-        (an eviction removes a chain leaf first, one page per event)."""
-        for run in self._dirty:
-            trim(run, self._roots, self._lru)
-        self._dirty.clear()
+        self._places.clear_slot(s)
+        self._spec.clear_slot(s, self._workers.keep[s])
 
     # -- events -------------------------------------------------------------------------
     def apply_batch(self, url: str, events: Sequence[Event | BlockStoredRef]) -> None:
@@ -612,207 +146,36 @@ class BlockIndex:
               block_size: int | None = None, token_ids: Sequence[int] | None = None,
               cache_salt: str | None = None) -> None:
         if block_size and self._page_size.get(url) != block_size:  # the engine's own word
-            self.set_page_size(url, block_size)
+            self._workers.set_page_size(url, block_size)
         self._epoch += 1
-        if parent is not None and self.evicted and self._drop_orphan(parent, hashes, token_ids):
+        budget = self._budget
+        if parent is not None and budget.evicted and budget.drop_orphan(parent, hashes, token_ids):
             return
-        places, new = self._place(hashes, parent, token_ids,
-                                  block_size or self._page_size.get(url, self.default_page_size), cache_salt)
-        s = self.slot(url)
-        if tier == 2 and self.shared_pool:
-            self.pool.update(hashes)
-            for place in places:
-                if place is not None:
-                    place[0].mark_pooled(place[1], True)
-            self._fit()
-            return
-        keep, cumulative = self._keep[s], self._cumulative[s]
-        owned, holders = self._owned[s], self._holders
-        if parent is not None and parent not in owned:
-            self.orphans += 1
-        bit = 1 << tier
-        for h, place in zip(hashes[:new], places):
-            raw = owned.get(h)
-            if raw is None:
-                holders[h] = holders.get(h, 0) + 1
-                raw = 0
-            raw |= bit
-            owned[h] = raw
-            self._set_bits(h, keep, cumulative[raw])
-        if new < len(hashes):  # blocks nobody knew, appended whole to one run: all at once, in C
-            rest = hashes[new:]
-            run, at = places[new]  # type: ignore[misc]
-            owned.update(zip(rest, repeat(bit)))
-            holders.update(zip(rest, repeat(1)))
-            run.masks[at:at + len(rest)] = repeat(cumulative[bit], len(rest))
-        self._fit()
-
-    # -- the memory budget --------------------------------------------------------------
-    def known_blocks(self) -> int:
-        """What ``max_blocks`` bounds: blocks placed in the trie or kept by hash."""
-        return len(self._where) + len(self._by_hash)
-
-    def _touch(self, run: Run | None) -> None:
-        """``run`` becomes the most recently used: the run a prompt's path ends in, or a
-        store's deepest page. Runs it passed through are not: their pages past the branch
-        it took were not used (``_evict_run`` takes those, and a run's pages before a branch
-        only go with the branches)."""
-        lru = self._lru
-        if lru is None or run is None:
-            return
-        if run in lru:
-            lru.move_to_end(run)
-        else:
-            lru[run] = None
-
-    def _drop_orphan(self, parent: int, hashes: Sequence[int], token_ids: Sequence[int] | None) -> bool:
-        """Once the budget has evicted, a chain with tokens under a parent the index does not
-        know is dropped instead of kept by hash. Its parent was most likely evicted (the
-        engine still extends a chain the index forgot), so its pages cannot be placed; and
-        no prompt's match could reach them anyway, as every path breaks at the missing
-        parent. Kept by hash they would turn on the SHA fallback for every match (4x a
-        decision's cost, measured: ``bench/index_budget.py``). Chains without tokens are
-        kept by hash as ever: that is the only way they can be matched."""
-        if token_ids is None or parent in self._where or parent in self._by_hash or not self._new_chain(hashes):
-            return False
-        self.dropped += len(hashes)
-        return True
-
-    def _fit(self) -> None:
-        """Evict until the blocks known (placed or by hash) fit ``max_blocks``: the blocks
-        kept by hash first (each costs the SHA fallback on every match), then the pages of
-        the least recently used runs past their last branch, deepest first."""
-        if self._lru is None:
-            return
-        over = self.known_blocks() - self.max_blocks
-        if over <= 0:
-            return
-        if not self.evicted:
-            log.warning("precise index: %d blocks reached its budget (max_index_blocks=%d); evicting the least "
-                        "recently used, counted in index_evicted_blocks", self.max_blocks + over, self.max_blocks)
-        self._epoch += 1
-        while over > 0 and self._by_hash:
-            h = self._by_hash.pop()
-            self._forget(h, self._hashed.pop(h, 0))
-            self.evicted += 1
-            over -= 1
-        lru = self._lru
-        tries = 4 * len(lru) + 16  # each try evicts, or leaves a run out of the order
-        while over > 0 and lru and tries:
-            tries -= 1
-            over -= self._evict_run(next(iter(lru)), over)
-
-    def _evict_run(self, run: Run, want: int) -> int:
-        """Forget ``run``'s last pages, deepest first, until ``want`` blocks are gone or the
-        run's last branch is reached; returns how many went. So the work per store is what
-        the store added (a whole 100k-token run at page size 1 would stall the loop), and
-        the run stays first in the order while it has pages past its last branch. A run
-        left all branch point leaves the order until its last branch goes
-        (``page_trie.detach``), as an inner radix node is evicted only after its children;
-        a run left empty leaves the trie."""
-        start = max(run.children) if run.children else 0
-        names_at, masks = run.names, run.masks
-        i, gone = len(names_at), 0
-        while i > start and gone < want:
-            i -= 1
-            names = names_at[i]
-            if names is None:
-                continue
-            for h in names if type(names) is list else (names,):
-                self._forget(h, masks[i])
-                gone += 1
-        self.evicted += gone
-        run.truncate(i)
-        for s, times in list((run.until or {}).items()):  # queued expiries find nothing left
-            if not any(times):
-                self._spec_done(run, s)
-        if i > start:
-            return gone
-        if run.children:
-            self._lru.pop(run, None)  # type: ignore[union-attr]
-        else:
-            parent = detach(run, self._roots, self._lru)
-            if parent is not None:
-                trim(parent, self._roots, self._lru)
-        return gone
-
-    def _spec_done(self, run: Run, s: int) -> None:
-        """Slot ``s`` has no speculative page left on ``run``."""
-        del run.until[s]  # type: ignore[index]
-        self._spec_runs.get(s, set()).discard(run)
-        if not run.until:
-            run.until = None
-
-    def _forget(self, h: int, mask: int) -> None:
-        """Block ``h`` leaves the index for every worker (``mask``: who holds it)."""
-        self._where.pop(h, None)
-        self._holders.pop(h, None)
-        self.pool.discard(h)
-        owned = self._owned
-        for b in _bit_indexes(mask):
-            if b % 3 == 2:
-                owned[b // 3].pop(h, None)
+        self._places.store(url, hashes, parent, tier,
+                           block_size or self._page_size.get(url, self._workers.default_page_size),
+                           token_ids, cache_salt)
+        if budget.fit():
+            self._epoch += 1
 
     def remove(self, url: str, hashes: Sequence[int], tier: int = 0) -> None:
         self._epoch += 1
-        where = self._where
-        if tier == 2 and self.shared_pool:  # the store evicted it: gone for everyone
-            for h in hashes:
-                if h not in self.pool:
-                    continue
-                self.pool.discard(h)
-                place = where.get(h)
-                if place is not None:
-                    place[0].mark_pooled(place[1], False)
-                if h not in self._holders:
-                    self._release(h)
-            self._trim_dirty()
-            return
-        s = self._slots.get(url)
-        if s is None:
-            return
-        keep, cumulative, owned = self._keep[s], self._cumulative[s], self._owned[s]
-        for h in hashes:
-            raw = owned.get(h)
-            if raw is None:
-                continue
-            raw &= ~(1 << tier)
-            self._set_bits(h, keep, cumulative[raw])
-            if raw:
-                owned[h] = raw
-            else:
-                del owned[h]
-                self._unhold(h)
-        self._trim_dirty()
+        self._places.remove(url, hashes, tier)
+
+    def known_blocks(self) -> int:
+        """What ``max_blocks`` bounds: blocks placed in the trie or kept by hash."""
+        return self._budget.known_blocks()
 
     # -- requests -----------------------------------------------------------------------
     def usable(self, request: RequestView) -> bool:
         return request.token_ids is not None
 
-    def _prompt(self, request: RequestView) -> list:
-        """[tokens, packed ids (None if some id is no uint32), SHA chains by page size] of the
-        last request seen: select and record both need them, one right after the other."""
-        tokens = request.token_ids or []
-        got = self._last_prompt
-        # The cache holds the token list itself, so identity cannot be a recycled id().
-        if got[0] is not tokens or got[3] != request.cache_salt:
-            got = self._last_prompt = [tokens, request.packed(), {}, request.cache_salt]
-        return got
-
     def hashes_for(self, request: RequestView, page_size: int) -> list[int]:
         """The request's SHA page chain, needed only while blocks are keyed by hash."""
-        got = self._prompt(request)
-        chains = got[2]
-        if page_size not in chains:
-            try:
-                chains[page_size] = self.chains.hashes(got[0], page_size, request.cache_salt)
-            except (OverflowError, TypeError):
-                chains[page_size] = []
-        return chains[page_size]
+        return self._keyed.hashes_for(request, page_size)
 
     def _walk(self, request: RequestView, page_size: int) -> tuple[bytes, Path, Run | None, int]:
         """The request's packed ids and its path in the trie (cached until the index changes)."""
-        packed = self._prompt(request)[1]
+        packed = self._keyed.prompt(request)[1]
         last = self._last_walk
         if (last is not None and last[0] == request.request_id and last[1] == page_size
                 and last[2] == self._epoch and last[3][0] is packed):
@@ -823,33 +186,9 @@ class BlockIndex:
         else:
             got = (packed, *walk(root, packed))
             if got[1]:
-                self._touch(got[1][-1][0])
+                self._budget.touch(got[1][-1][0])
         self._last_walk = (request.request_id, page_size, self._epoch, got)
         return got
-
-    def _candidates(self, workers: Sequence[WorkerView]) -> list[tuple[int, int, list[str], frozenset[str], bool]]:
-        """(page size, mask of the candidates' bits, their urls as a list and a set, whether
-        the index knows all of them) groups, cached per worker set."""
-        last = self._last_candidates
-        # Usually the same worker objects as last time: the list compares them by identity, in C.
-        if last[0] == self._version and workers == last[1]:
-            return last[2]
-        key = tuple(map(_url, workers))
-        got = self._groups.get(key)
-        if got is not None and got[0] == self._version:
-            self._last_candidates = (self._version, list(workers), got[1])
-            return got[1]
-        groups: dict[int, tuple[int, list[str], bool]] = {}
-        for w in workers:  # a worker the index has not heard of yet holds nothing, but can load the pool
-            s = self._slots.get(w.url)
-            ps = self.page_size_of(w)
-            mask, urls, known = groups.get(ps, (0, [], True))
-            groups[ps] = (mask if s is None else mask | (7 << (3 * s)), urls + [w.url], known and s is not None)
-        if len(self._groups) > 256:
-            self._groups.clear()
-        self._groups[key] = (self._version, [(ps, m, u, frozenset(u), k) for ps, (m, u, k) in groups.items()])
-        self._last_candidates = (self._version, list(workers), self._groups[key][1])
-        return self._groups[key][1]
 
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         result = IndexMatch(len(request.token_ids or ()), "tokens")
@@ -857,16 +196,11 @@ class BlockIndex:
             return result
         if self._spec_queue and self._spec_queue[0][0] <= time.monotonic():
             self.expire(limit=4)  # a few per decision keeps pace with record() and bounds latency
-        for ps, wanted, urls, members, known in self._candidates(workers):
+        for ps, wanted, urls, members, known in self._workers.candidates(workers):
             _, path, _, _ = self._walk(request, ps)
             floor = 0
             if self._by_hash:  # some blocks are known by hash only: page by page, with their SHA chain
-                hashes = self.hashes_for(request, ps)
-                on_path = chained(chained.from_iterable(_path_masks(r, n) for r, n in path), repeat(0))
-                pages = _held_pages(map(or_, on_path, map(self._hashed.get, hashes, repeat(0))), wanted)
-                flags = chained(chained.from_iterable(r.pooled[:n] if r.pooled else bytes(n) for r, n in path),
-                                repeat(0))
-                pooled = len(list(takewhile(bool, map(or_, flags, map(self.pool.__contains__, hashes)))))
+                pages, pooled = self._keyed.held(request, ps, path, wanted, self.pool)
             elif path:
                 (pages, floor), pooled = _held_on_path(path, wanted), _pooled_on_path(path)
             else:
@@ -901,99 +235,32 @@ class BlockIndex:
         else:  # page sizes differ: only this group's
             hits.update(zip(filterfalse(hits.__contains__, urls), repeat(base)))
 
+    # -- speculative entries ------------------------------------------------------------
     def record(self, request: RequestView, worker: WorkerView) -> None:
-        if request.token_ids is None or self.speculative_ttl_s <= 0:
+        """Mark the request's pages ``worker`` is not known to hold as on its GPU for
+        ``speculative_ttl_s``, adding the pages to the trie if they are new."""
+        if request.token_ids is None or self._spec.ttl_s <= 0:
             return
-        s = self.slot(worker.url)
-        ps = self.page_size_of(worker)
-        packed, path, end, at = self._walk(request, ps)
-        width = 4 * ps
-        pages = len(packed) // width
-        if not pages:
-            return
+        s = self._workers.slot(worker.url)
+        ps = self._workers.page_size_of(worker)
+        walked = self._walk(request, ps)
         last = self._last_match
         skip = 0
         if last is not None and last[0] == request.request_id:
             # Pages the worker already holds on GPU (reported, or speculative) need no entry.
             skip = last[1].get(worker.url).gpu // ps
-        if skip >= pages:
-            return
-        ranges: list[tuple[Run, int, int]] = []
-        done = 0
-        for run, n in path:
-            if skip < done + n:
-                ranges.append((run, max(0, skip - done), n))
-            done += n
-        if done < pages:
-            if end is None:
-                end, at = self._root(ps, request.cache_salt or None), 0
-            # (not put in the eviction order: pages no block names yet do not count against the
-            # budget, and expire on their own; a store that names them puts their run in it)
-            run, first = grow(end, at, packed[done * width: pages * width])
-            ranges.append((run, first + max(0, skip - done), first + pages - done))
-        self._epoch += 1
-        until = time.monotonic() + self.speculative_ttl_s
-        bits = 7 << (3 * s)
-        runs = self._spec_runs.setdefault(s, set())
-        for run, a, b in ranges:
-            if a >= b:
-                continue
-            if run.spec is None and run.until is None and not a and b == len(run.masks):  # new pages, grown above
-                run.spec, run.until, run.spec_flat = [bits] * b, {s: [until] * b}, b
-                runs.add(run)
-                continue
-            _combine(run.spec_list(), a, b, or_, bits)
-            run.spec_changed(a, b)
-            if run.until is None:
-                run.until = {}
-            times = run.until.get(s)
-            if times is None:
-                times = run.until[s] = [0.0] * b
-            elif len(times) < b:
-                times.extend(repeat(0.0, b - len(times)))
-            times[a:b] = repeat(until, b - a)
-            runs.add(run)
-        self._spec_queue.append((until, s, ranges))
+        if self._spec.record(s, walked, ps, request.cache_salt or None, skip):
+            self._epoch += 1
 
     def expire(self, now: float | None = None, limit: int | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        q = self._spec_queue
-        while q and q[0][0] <= now and limit != 0:
-            limit = None if limit is None else limit - 1
-            until, s, ranges = q.popleft()
-            self._epoch += 1
-            clear = ~(7 << (3 * s))
-            for run, a, b in ranges:
-                times = run.until.get(s) if run.until else None
-                spec = run.spec
-                if times is None or spec is None:
-                    continue  # the worker was cleared since
-                b = min(b, len(times), len(spec))
-                if a >= b:
-                    continue
-                if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
-                    _combine(spec, a, b, and_, clear)
-                    times[a:b] = repeat(0.0, b - a)
-                    run.spec_changed(a, b)
-                else:
-                    for i in range(a, b):
-                        if times[i] == until:
-                            times[i] = 0.0
-                            spec[i] &= clear
-                    run.spec_changed(a)
-                if not any(times):
-                    self._spec_done(run, s)
-                if not any(spec):
-                    run.spec = None
-                trim(run, self._roots, self._lru)
+        self._epoch += self._spec.expire(now, limit)
 
     def maintain(self, now: float | None = None) -> None:
         self.expire(now)
 
     def speculative_pages(self) -> int:
         """Pages carrying some worker's speculative bits (counted, for stats and tests)."""
-        runs = set().union(*self._spec_runs.values()) if self._spec_runs else set()
-        return sum(len(r.spec) - r.spec.count(0) for r in runs if r.spec is not None)
+        return self._spec.pages()
 
     def stats(self) -> Mapping[str, float]:
         return {

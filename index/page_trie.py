@@ -8,12 +8,12 @@ compared run by run with ``bytes.startswith`` (memcmp): a conversation's pages s
 a few runs, so the walk is a handful of C calls whatever the prompt's length.
 
 A ``Run`` is a sequence of whole pages with per-page state kept in parallel lists:
-``masks`` (the workers' tier bits, see ``index.block_index``), ``names`` (the block hash
+``masks`` (the workers' tier bits, see ``index.block_masks``), ``names`` (the block hash
 naming the page: None, one int, or a list of the few that share it; the index's memory
 budget evicts a run by these), ``spec`` (speculative bits) and ``pooled`` (in the shared
 pool). ``flat`` and ``spec_flat`` say how many leading pages are known to carry the first
 page's mask (its speculative bits): a lower bound that a write before it lowers
-(``truncate``, ``spec_changed``, the index's ``_set_mask``) and a match raises once it has
+(``truncate``, ``spec_changed``, ``block_masks._set_mask``) and a match raises once it has
 counted, so a long run is not counted again on every match (~45 us of a match through a
 4,000-page run at page size 1). Appending leaves it: it never passes the run's end.
 Runs never split. A page that diverges from a run at offset ``i`` starts a child run stored

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import index.block_index as block_index
+import index.block_places as block_places
 from policies.base import RequestView, WorkerView
 from index.block_index import BlockIndex
 from index.page_hash_cache import PageHashCache
@@ -131,7 +131,7 @@ def test_no_sha_at_decision_time_when_events_carry_tokens(monkeypatch):
     def no_sha(*_a, **_k):
         raise AssertionError("SHA-256 computed at decision time")
 
-    monkeypatch.setattr(block_index, "page_hashes", no_sha)
+    monkeypatch.setattr(block_places, "page_hashes", no_sha)
     monkeypatch.setattr(PageHashCache, "hashes", no_sha)
     request = req(follow_up, rid="f")
     assert index.match(request, WORKERS).hits[URLS[0]].gpu == 40
