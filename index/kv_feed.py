@@ -1,16 +1,10 @@
-"""Feed a ``BlockIndex`` from each worker's SGLang KV-event ZMQ publisher.
+"""Feed a ``BlockIndex`` from each worker's SGLang KV-event ZMQ publishers.
 
-One asyncio task per publisher (per DP rank) SUBscribes to ``[topic, seq, payload]``
-frames. The index is only as good as the event stream, so every way of losing events is
-handled explicitly:
-
-* a sequence gap asks the publisher's ROUTER replay socket for the missing batches
-  (``[b"", start_seq]`` -> ``[b"", seq, payload]``... terminated by seq -1);
-* a gap the replay buffer no longer covers, a sequence that goes backwards (the engine
-  restarted) or a dropped TCP connection clears the worker: under-predicting hits costs a
-  little, routing on blocks that are gone costs a full re-prefill;
-* the first message after connecting replays from seq 0, so whatever the publisher still
-  buffers from before we joined is not lost.
+``KvEventFeed`` follows the fleet: it finds each worker's publishers (``server_info``'s
+``kv_events``, or the ``kv_endpoints`` option) and runs one ``index.kv_subscriber.Subscriber``
+task per publisher (per DP rank). Every way of losing events is handled there, and a lost
+stream clears its worker: under-predicting hits costs a little, routing on blocks that are
+gone costs a full re-prefill.
 
 With ``dp_size`` > 1 the engine opens one publisher per DP rank (consecutive ports); all
 ranks feed the one worker entry the gateway routes to, so a clear on any rank clears the
@@ -24,28 +18,16 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import msgspec
-import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
-from index.views import WorkerView
 from index.block_index import BlockIndex
-from wire.kv_events import decode_in_parts, pack_seq, unpack_seq
+from index.kv_subscriber import Publisher, Slice, Subscriber
+from index.views import WorkerView
 
 log = logging.getLogger("kvgate.policies.kv_events")
-Pace = Callable[[], Awaitable[None]]  # yields a turn of the loop once the events' slice is spent
-
-
-@dataclass(frozen=True, slots=True)
-class Publisher:
-    url: str  # the worker the events belong to
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
 
 
 def _localize(endpoint: str, host: str) -> str:
@@ -87,13 +69,7 @@ class KvEventFeed:
     def __init__(self, index: BlockIndex, override: Mapping[str, object] | None = None,
                  replay_timeout_s: float = 2.0, quiet: bool = False, slice_ms: float = 0.5) -> None:
         self.index = index
-        # Event work the subscribers together may do in one turn of the event loop: past it the
-        # turn's other subscribers wait for the next, and a big message goes on there a part at
-        # a time, so the requests on the same loop wait for no more than the slice plus one
-        # part (~256 events) however far behind the feed is and however many publishers.
-        self.slice_s = max(float(slice_ms), 0.0) / 1e3
-        self._spent = 0.0  # of the slice, in this turn of the loop
-        self._slice_open = False
+        self.slice = Slice(slice_ms)
         self.override = dict(override or {})
         self.replay_timeout_s = float(replay_timeout_s)
         self._ctx: zmq.asyncio.Context | None = None
@@ -134,7 +110,8 @@ class KvEventFeed:
         if self.running:
             for pub in pubs:
                 if pub not in self._tasks:
-                    self._tasks[pub] = asyncio.get_running_loop().create_task(self._run(pub))
+                    subscriber = Subscriber(self.index, self._ctx, self.slice, self.counters, self.replay_timeout_s)
+                    self._tasks[pub] = asyncio.get_running_loop().create_task(subscriber.run(pub))
 
     def follow(self, workers: Sequence[WorkerView]) -> None:
         """Add workers the gateway routes to but never announced; re-check, at most once a
@@ -181,203 +158,6 @@ class KvEventFeed:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
-
-    # -- one publisher ------------------------------------------------------------------
-    async def _apply(self, url: str, payload: bytes, pace: Pace) -> None:
-        """Apply one batch, a part at a time with ``pace()`` between parts (a scheduler step
-        at page size 1 stores thousands of pages: milliseconds to decode and apply)."""
-        parts = decode_in_parts(payload)  # with token ids: the index keys blocks by them
-        first = True
-        while True:
-            try:
-                events = next(parts, None)
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                self.counters["decode_errors"] += 1
-                log.warning("undecodable KV event batch from %s: %s", url, e)
-                return
-            if events is None:
-                return
-            if not first:
-                await pace()
-            first = False
-            self.index.apply_batch(url, events)
-
-    async def _run(self, pub: Publisher) -> None:
-        """Keep one subscription alive: an unexpected error drops what the worker's state was
-        built from, so it is cleared and the subscription starts over (with a replay)."""
-        while True:
-            try:
-                await self._subscribe(pub)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("KV event subscriber for %s failed; clearing %s and resubscribing",
-                              pub.endpoint, pub.url)
-                self.index.clear_worker(pub.url)
-                await asyncio.sleep(1.0)
-
-    async def _subscribe(self, pub: Publisher) -> None:
-        """Receive from one publisher until cancelled or disconnected. The SUB socket is read
-        through the blocking API from a reader on its file descriptor, draining what has
-        arrived at each wakeup: pyzmq's asyncio poller cost ~100 us of the loop per message
-        (a future per socket per poll, another per receive), so 64 workers' events took
-        three quarters of a core (bench/micro/kv_feed_rate.py). ZMQ's descriptor is edge-triggered: it signals when the
-        socket's state changes, so a wakeup drains until the socket says it is empty (or the
-        loop's slice for events is spent, and then it goes on after one turn of the loop)."""
-        assert self._ctx is not None
-        loop = asyncio.get_running_loop()
-        # (a socket of the same context through the blocking API: the context does not track
-        # it, so it is closed here on every path, or stop()'s destroy would wait for it forever)
-        sub = zmq.Context.shadow(self._ctx.underlying).socket(zmq.SUB)
-        raw_monitor = fd = watcher = None
-        readable = asyncio.Event()
-        disconnected = 0
-
-        async def watch(monitor: zmq.asyncio.Socket) -> None:
-            nonlocal disconnected
-            try:
-                while True:
-                    await recv_monitor_message(monitor)
-                    disconnected += 1
-                    readable.set()
-            finally:
-                monitor.close(0)
-
-        try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, pub.topic.encode())
-            raw_monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            watcher = loop.create_task(watch(zmq.asyncio.Socket.from_socket(raw_monitor)))
-            sub.connect(pub.endpoint)
-            fd = sub.getsockopt(zmq.FD)
-            loop.add_reader(fd, readable.set)
-            readable.set()  # (anything already queued would not signal the descriptor)
-            clock = time.perf_counter
-            t0 = 0.0
-
-            def start() -> None:
-                nonlocal t0
-                if not self._slice_open:  # the first subscriber in this turn of the loop
-                    self._slice_open = True
-                    loop.call_soon(self._next_slice)
-                t0 = clock()
-
-            def spent() -> bool:
-                return self._spent + clock() - t0 >= self.slice_s
-
-            async def pace() -> None:
-                """Between parts of one big message: the next turn of the loop once the slice
-                is spent."""
-                if spent():
-                    self._spent += clock() - t0
-                    await asyncio.sleep(0)
-                    start()
-
-            expected: int | None = None
-            while True:
-                await readable.wait()
-                readable.clear()
-                if disconnected:
-                    disconnected = 0
-                    self.counters["disconnects"] += 1
-                    log.info("KV event publisher %s disconnected: clearing %s", pub.endpoint, pub.url)
-                    self.index.clear_worker(pub.url)
-                    expected = None
-                start()
-                if self._spent and spent():  # others spent this turn's slice: next turn
-                    readable.set()
-                    await asyncio.sleep(0)
-                    continue
-                while True:
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) >= 2:
-                        expected = await self._receive(pub, unpack_seq(frames[-2]), frames[-1], expected, pace)
-                    if spent():  # more may be waiting:
-                        readable.set()
-                        break
-                self._spent += clock() - t0
-                if readable.is_set():  # go on after one turn of the loop (wait() would not yield)
-                    await asyncio.sleep(0)
-        finally:
-            if fd is not None:
-                loop.remove_reader(fd)
-            if raw_monitor is not None:
-                # Before the monitor's reading end closes: libzmq's I/O thread sends each event
-                # with a blocking send while holding a lock that disable_monitor (and close)
-                # take, so a disconnect reported after the reader is gone hung stop() for good.
-                sub.disable_monitor()
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await watcher
-            if raw_monitor is not None:
-                raw_monitor.close(0)
-            sub.close(0)
-
-    def _next_slice(self) -> None:
-        self._spent, self._slice_open = 0.0, False
-
-    async def _receive(self, pub: Publisher, seq: int, payload: bytes, expected: int | None, pace: Pace) -> int:
-        """Apply one message after whatever a gap in the sequence calls for; the next expected."""
-        self.counters["messages"] += 1
-        if expected is None:
-            if seq > 0:  # joined late: take what the publisher still buffers
-                await self._replay(pub, 0, seq, pace, strict=False)
-        elif seq > expected:
-            self.counters["gaps"] += 1
-            if not await self._replay(pub, expected, seq, pace, strict=True):
-                self.counters["unrecoverable"] += 1
-                log.warning("KV events %d..%d from %s lost for good: clearing %s",
-                            expected, seq - 1, pub.endpoint, pub.url)
-                self.index.clear_worker(pub.url)
-        elif seq < expected:
-            self.counters["restarts"] += 1
-            log.info("KV event sequence of %s restarted (%d after %d): clearing %s",
-                     pub.endpoint, seq, expected - 1, pub.url)
-            self.index.clear_worker(pub.url)
-            if seq > 0:
-                await self._replay(pub, 0, seq, pace, strict=False)
-        await self._apply(pub.url, payload, pace)
-        return seq + 1
-
-    async def _replay(self, pub: Publisher, start: int, stop: int, pace: Pace, *, strict: bool) -> bool:
-        """Apply batches ``start..stop-1`` from the replay socket. With ``strict``, any hole
-        (the buffer no longer reaches back to ``start``) applies nothing and fails."""
-        if not pub.replay or self._ctx is None:
-            return False
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(pub.replay)
-        got: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + self.replay_timeout_s
-        try:
-            await sock.send_multipart([b"", pack_seq(start)])
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not await sock.poll(int(left * 1000) + 1):
-                    log.warning("KV event replay from %s timed out", pub.replay)
-                    return False
-                frames = await sock.recv_multipart()
-                if len(frames) < 2:
-                    continue
-                seq = unpack_seq(frames[-2])
-                if seq == -1:
-                    break
-                if start <= seq < stop:
-                    got.append((seq, frames[-1]))
-        finally:
-            sock.close(0)
-        got.sort()
-        complete = [s for s, _ in got] == list(range(start, stop))
-        if strict and not complete:
-            return False
-        for _, payload in got:
-            await self._apply(pub.url, payload, pace)
-        self.counters["replayed"] += len(got)
-        return complete
 
     def stats(self) -> Mapping[str, float]:
         out = {f"kv_{k}": float(v) for k, v in self.counters.items()}
