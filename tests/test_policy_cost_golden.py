@@ -42,7 +42,7 @@ class Clock:
 
 def full_prices(policy: Cost, request: RequestView, workers: list[WorkerView]) -> list[list[float]]:
     """Every worker's (ttft, uncached, cached, score) by the policy's full pricing."""
-    costs, scores = policy.scored(request, workers, policy._match(request, workers))
+    costs, scores = policy.price(request, workers)
     return [[*c, s] for c, s in zip(costs, scores)]
 
 
