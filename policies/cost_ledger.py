@@ -139,8 +139,10 @@ class Ledger:
 
     def _alone(self, worker: WorkerView, book: Booked, tokens: float, footprint: float) -> float:
         """The request's prefill in seconds at the configured rate, if its first token will
-        time that prefill alone, else 0: no engine-reported queue, its KV fits, and long
-        enough (50 ms) that the round trip is noise."""
+        time that prefill alone, else 0. The caller checks that nothing else of this
+        gateway's is queued there and that the first token times only a prefill (not a PD
+        prefill worker's, which also waits for the KV transfer); here: no engine-reported
+        queue, its KV fits, and long enough (50 ms) that the round trip is noise."""
         work = tokens * self.base_inv
         if work < 0.05:
             return 0.0
@@ -176,7 +178,8 @@ class Ledger:
 
     def learn_prefill(self, seconds: float, work: float) -> None:
         """A first token timed ``work`` seconds (at the configured rate) of prefill alone in
-        ``seconds``: a running average of log(measured / configured), each sample clipped to
+        ``seconds``. The configured rate is a guess for one model on one GPU, and every wait
+        the pricer predicts is in its units. A running average of log(measured / configured), each sample clipped to
         1/4-4x, applied when it moves the rate by more than 2%. Then what each booked queue
         has left is the same work at the new speed (a queue booked at the old rate would
         otherwise read wrong until its next first token), and ``repriced``."""
