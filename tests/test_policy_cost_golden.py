@@ -274,6 +274,16 @@ def scenarios(monkeypatch) -> dict:
     script.run(150, 0.1)
     out["approx"] = script.finish()
 
+    # Hit verification degrades routing to load alone (engines report other cached tokens
+    # than predicted), then recovers.
+    index = BlockIndex(default_page_size=PS)
+    ws = _workers(4, 50_000)
+    policy = Cost(index=index, drift_window=16, drift_min_samples=8, drift_degrade_above=0.35,
+                  drift_recover_below=0.3)
+    script = Script(clock, 6, policy, ws, index=index)
+    script.run(150, 0.08)
+    out["degraded"] = script.finish()
+
     # pd_cost: pairs over hosts, prefill workers that free KV at the first token.
     index = BlockIndex(default_page_size=PS)
     prefills = _workers(3, 40_000, hosts=3, role="prefill", port=30000)
@@ -306,3 +316,5 @@ def test_the_fixture_exercises_what_it_proves():
     assert sum(d[1] == "hold" for d in decisions) >= 10
     assert want["precise"]["stats"]["prefill_samples"] > 0 and want["precise"]["stats"]["diverted"] > 0
     assert want["precise"]["stats"]["prefill_tokens_per_s"] != 25_000.0
+    reasons = [d[2] for d in want["degraded"]["decisions"] if d[1] != "hold"]
+    assert any(r.startswith("degraded") for r in reasons) and any(r.startswith("ttft") for r in reasons)
