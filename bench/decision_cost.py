@@ -443,7 +443,7 @@ def main() -> None:
             running.append((first, w))
             if polls:  # what that engine reports: this gateway's own traffic there
                 w = traffic.choice(fleet)
-                booked = policy._book[w.url]
+                booked = policy.ledger.book[w.url]
                 w.load = EngineLoad(running=booked.decoding, waiting=sum(q is w for _, q in queued),
                                     used_tokens=int(booked.kv), max_tokens=400_000, timestamp=time.monotonic())
 

@@ -8,8 +8,8 @@ worker's bookings, a load poll replaces one worker's report. So a worker's row i
 when one of those changes, and a decision reads the rows and re-prices only what moves with
 the clock: a queue that is still draining (the booked one, and an engine-reported one with
 ``engine_load=drain``: a row keeps when it is done, and a decision subtracts the clock), and
-the KV wait on the few workers the request would not fit on (left to ``cost``, which holds
-the release schedules; ``Fleet.tight`` finds those workers by bisection).
+the KV wait on the few workers the request would not fit on (left to ``cost``'s pricer, which
+reads the ledger's release schedules; ``Fleet.tight`` finds those workers by bisection).
 
 The engine's waiting requests are priced at ``cost``'s average prefill per request as it
 was when this worker's report was first seen (``avg``), not as it drifts after every

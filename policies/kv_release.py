@@ -24,7 +24,7 @@ _INF = float("inf")
 
 
 class Booking(Protocol):
-    """What the schedule reads of a live request (``cost``'s ``_Live``)."""
+    """What the schedule reads of a live request (``policies.cost_ledger.Live``)."""
 
     footprint: float  # KV tokens it holds
     output: float  # output tokens expected

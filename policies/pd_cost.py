@@ -49,7 +49,7 @@ class PDCost(Cost):
     def decode_wait(self, worker: WorkerView) -> float:
         load = worker.load
         queued = max(worker.in_flight, (load.running + load.waiting) if load else 0)
-        return queued * self.decode_cost_s
+        return queued * self.pricer.decode_cost_s
 
     def transfer_s(self, prompt_tokens: float, prefill: WorkerView, decode: WorkerView) -> float:
         bw = self.same_host_bps if prefill.host == decode.host else self.cross_host_bps
@@ -60,8 +60,8 @@ class PDCost(Cost):
         require_workers(prefills)
         require_workers(decodes)
         prompt = float(request.prompt_tokens_estimate)
-        b = self._backlogs(request, prefills, self._match(request, prefills))
-        costs, scores = self._scored(b)
+        b = self.backlogs(request, prefills)
+        costs, scores = self.pricer.price(b)
         waits = [self.decode_wait(d) for d in decodes]
         best: tuple[float, int, int] | None = None
         for i, p in enumerate(prefills):
@@ -71,7 +71,7 @@ class PDCost(Cost):
                     best = (total, i, j)
         assert best is not None
         total, i, j = best
-        prefill_choice = self._decide(request, prefills[i], costs[i], b)  # held on the prefill's queue, as in ``cost``
+        prefill_choice = self.decide(request, prefills[i], costs[i], b)  # held on the prefill's queue, as in ``cost``
         if isinstance(prefill_choice, Hold):
             return prefill_choice
         prefill_choice.reason = f"pair {total * 1000:.1f}ms"

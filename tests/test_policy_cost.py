@@ -182,7 +182,7 @@ def test_tier_credits_prefer_gpu_over_host_over_pool(shared_pool):
         index.apply(w.url, BlockStored(hashes, None, tokens, 16, None, medium))
     policy = Cost(index=index)
     req = RequestView("t", "/generate", token_ids=tokens + [1, 2, 3])
-    costs = [c[0] for c in policy.predict(req, ws, index.match(req, ws))]
+    costs = [c[0] for c in policy.price(req, ws, index.match(req, ws))[0]]
     assert costs[2] < costs[1] < costs[0] <= costs[3]
     # the fourth worker reported nothing: with a shared pool it loads worker 0's pages too
     assert (costs[3] == costs[0]) is shared_pool
@@ -229,7 +229,7 @@ def test_the_booked_queue_drains_with_the_clock_and_first_tokens_re_time_it(monk
     probe = RequestView("p", "/generate", token_ids=list(range(200_000, 200_010)))  # ~1 ms of its own
 
     def wait() -> float:
-        return policy.costs(probe, w)[0][0] - 10 / 10_000
+        return policy.price(probe, w)[0][0][0] - 10 / 10_000
 
     for r in (a, b):
         policy.on_routed(r, w[0])
@@ -277,7 +277,7 @@ def test_the_prefill_speed_is_learned_from_first_tokens_that_timed_a_prefill_alo
     assert stats["prefill_samples"] == 40 and stats["prefill_tokens_per_s"] == pytest.approx(20_000, rel=0.05)
     queued = RequestView("q", "/generate", token_ids=list(range(900_000, 910_000)), stream=True)  # 0.5 s measured
     policy.on_routed(queued, w)
-    assert policy.costs(RequestView("p", "/generate", token_ids=[1] * 10), [w])[0][0] == pytest.approx(0.5, rel=0.06)
+    assert policy.price(RequestView("p", "/generate", token_ids=[1] * 10), [w])[0][0][0] == pytest.approx(0.5, rel=0.06)
     behind = RequestView("b", "/generate", token_ids=list(range(950_000, 955_000)), stream=True)
     policy.on_routed(behind, w)  # queued behind ``queued``: its first token times both
     clock.now += 0.5
@@ -303,7 +303,7 @@ def test_a_learned_speed_reprices_what_booked_queues_have_left(monkeypatch):
     scale = math.exp(0.1 * math.log(0.5))  # one sample moves the running average a tenth of the way
     assert policy.stats()["prefill_tokens_per_s"] == pytest.approx(10_000 / scale)
     tiny = RequestView("t", "/generate", token_ids=[7] * 10)
-    costs = policy.costs(tiny, [w1, w2])
+    costs = policy.price(tiny, [w1, w2])[0]
     assert costs[1][0] - costs[0][0] == pytest.approx(99.75 * scale, rel=1e-3)
 
 
@@ -354,7 +354,7 @@ def test_a_worker_whose_kv_pool_is_booked_full_makes_requests_wait(memory):
     backlog = RequestView("q", "/generate", token_ids=list(range(50_000, 60_000)), max_tokens=10)
     policy.on_routed(backlog, queued)  # 1 s of prefill queued on `queued`
     req = RequestView("new", "/generate", token_ids=list(range(100_000, 120_000)), max_tokens=100)
-    ttft = {w.url: c[0] for w, c in zip([full, queued], policy.costs(req, [full, queued]))}
+    ttft = {w.url: c[0] for w, c in zip([full, queued], policy.price(req, [full, queued])[0])}
     choice = policy.select(req, [full, queued])
     if memory:
         assert ttft[full.url] > 90.0  # until the first decodes finish
@@ -369,11 +369,11 @@ def test_completions_free_booked_kv_and_teach_the_time_per_token():
     w = WorkerView("http://127.0.0.1:8100", server_info={"max_total_num_tokens": 50_000})
     reqs = [_decoding(policy, w, f"d{i}", 20_000, 100) for i in range(2)]
     probe = RequestView("p", "/generate", token_ids=list(range(20_000)), max_tokens=100)
-    assert policy.costs(probe, [w])[0][0] > 50.0  # 2 x 20k booked + 20k does not fit in 50k
+    assert policy.price(probe, [w])[0][0][0] > 50.0  # 2 x 20k booked + 20k does not fit in 50k
     for req in reqs:
         policy.on_complete(req, w, Outcome(ok=True, completion_tokens=100))
-    assert policy.costs(probe, [w])[0][0] < 5.0
-    assert policy._tpot[w.url] < 0.1  # measured: the completions came back at once, not 1 s/token
+    assert policy.price(probe, [w])[0][0][0] < 5.0
+    assert policy.ledger.tpot[w.url] < 0.1  # measured: the completions came back at once, not 1 s/token
     assert policy.select(probe, [w]).worker.url == w.url
 
 
@@ -386,7 +386,7 @@ def test_requests_that_stop_early_teach_a_shorter_kv_hold():
     probe = RequestView("p", "/generate", token_ids=list(range(30_000)), max_tokens=4096)
     for i in range(3):
         _decoding(policy, before, f"a{i}", 30_000, 4096)
-    naive = policy.costs(probe, [before])[0][0]
+    naive = policy.price(probe, [before])[0][0][0]
     assert naive > 30.0  # ~4096 tokens x 10 ms before any of them frees its KV
     for i in range(100):  # elsewhere, requests that used ~10% of their max_tokens
         req = _decoding(policy, history, f"h{i}", 100, 4096)
@@ -394,7 +394,7 @@ def test_requests_that_stop_early_teach_a_shorter_kv_hold():
     assert policy.stats()["output_share"] < 0.15
     for i in range(3):  # the same bookings on a worker whose time per token is still the default
         _decoding(policy, after, f"b{i}", 30_000, 4096)
-    learned = policy.costs(probe, [after])[0][0]
+    learned = policy.price(probe, [after])[0][0][0]
     assert learned < naive / 4
 
 
@@ -443,7 +443,7 @@ def _select_takes_the_lowest_score_of_predict(data) -> None:
             if data.draw(st.booleans()):
                 policy.on_first_token(booked, w)
     probe = RequestView("probe", "/generate", token_ids=prompt, max_tokens=100)
-    costs, scores = policy.scored(probe, ws, index.match(probe, ws))
+    costs, scores = policy.price(probe, ws, index.match(probe, ws))
     chosen = policy.select(probe, ws)
     assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
     # ``diverted`` counts the hit given up: the most any worker would reuse, less the chosen's
@@ -484,7 +484,7 @@ def test_select_on_a_saturated_fleet_takes_the_lowest_score_of_predict(data):
         clock.now += data.draw(st.floats(0, 3), label="time passes")
         probe = RequestView("probe", "/generate", token_ids=[2] * data.draw(st.integers(1, 4000) | st.just(50), label="probe"),
                             max_tokens=data.draw(st.integers(1, 500), label="probe max_tokens"))
-        _, scores = policy.scored(probe, ws, IndexMatch())
+        _, scores = policy.price(probe, ws, IndexMatch())
         chosen = policy.select(probe, ws)
         assert scores[ws.index(chosen.worker)] <= min(scores) + 1e-9
     finally:
@@ -512,7 +512,7 @@ def test_hold_when_every_worker_would_keep_the_request_waiting():
     assert isinstance(held, Hold) and 0.05 <= held.retry_s <= 1.0 and "wait" in held.reason
     stats = policy.stats()
     assert stats["holds"] == 1 and stats["queued_prefill_tokens"] == 100_000  # nothing booked for `r`
-    assert not policy._picked and policy.index.match(req, ws).hits == {}  # no speculative index entry
+    assert not policy.ledger.picked and policy.index.match(req, ws).hits == {}  # no speculative index entry
     # The gateway may not hold it (a retry, or past max_hold_secs): the policy must choose.
     assert policy.select(RequestView("r2", "/generate", text=PROMPT), ws).worker in ws
     # Worker 1's prefill reaches its first token: its queue is free, so the held request goes there.
@@ -578,7 +578,7 @@ def test_kv_release_schedule_answers_as_the_full_sort_does(data):
     """``KvReleases`` keeps its sort across questions and bisects; whatever the bookings,
     first tokens, completions and time per token in between, each answer is the walk's
     (and ``first``, the bound ``select`` prunes with, is the walk's first end)."""
-    from policies.cost import _Live
+    from policies.cost_ledger import Live as _Live
     from policies.kv_release import KvReleases
 
     releases, now, n = KvReleases(), 100.0, 0
@@ -609,14 +609,6 @@ def test_kv_release_schedule_answers_as_the_full_sort_does(data):
             assert releases.first(now, wait, tpot) == _walk(releases.lives.values(), 1e-9, now, wait, tpot)
 
 
-class _BusyProbe(Cost):
-    """``cost`` that keeps the busy count its last decision weighed."""
-
-    def weight(self, busy: int, workers: int, now: float) -> float:
-        self.busy = busy
-        return super().weight(busy, workers, now)
-
-
 def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
     """Every worker's backlog recomputed from the bookings and reports, as ``cost`` did on
     every decision before ``FleetBacklog`` kept rows (a reported queue's drain written as
@@ -626,34 +618,34 @@ def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
 
     prompt = float(request.prompt_tokens_estimate)
     inv_prefill = 1.0 / policy.prefill_tps
-    need = prompt + 0.5 * policy._out_ratio * float(request.max_tokens)
+    need = prompt + 0.5 * policy.ledger.out_ratio * float(request.max_tokens)
     scale = prompt / match.query_len if match.unit != "tokens" else 1.0
     hits, bases, busy = {}, [], 0
     for w in workers:
         url, load = w.url, w.load
-        book = policy._book.get(url, IDLE)
+        book = policy.ledger.book.get(url, IDLE)
         running, kv, capacity, static = book.decoding, book.kv, 0, 0.0
         drained_at = book.done if book.queued > 0 else -math.inf  # the booked queue drains from its last change
         if load is not None:
-            if policy.engine_load != "off":
-                backlog = load.waiting * avg_at.setdefault((url, repr(load)), policy._avg_uncached)
-                if policy.engine_load == "max":  # the reported queue as it is
+            if policy.pricer.rows.pricing.engine_load != "off":
+                backlog = load.waiting * avg_at.setdefault((url, repr(load)), policy.ledger.avg_uncached)
+                if policy.pricer.rows.pricing.engine_load == "max":  # the reported queue as it is
                     static = backlog * inv_prefill
                 elif backlog > 0:  # the reported queue drains at the prefill rate from its report
                     drained_at = max(drained_at, load.timestamp + backlog * inv_prefill)
                 running = max(running, load.running)
             capacity, kv = load.max_tokens, max(kv, load.used_tokens)
-        wait, decode = max(static, drained_at - now, 0.0), running * policy.decode_cost_s
-        if kv and policy.memory:
+        wait, decode = max(static, drained_at - now, 0.0), running * policy.pricer.decode_cost_s
+        if kv and policy.pricer.rows.pricing.memory:
             capacity = capacity or w.server_info.get("max_total_num_tokens") or 0
         else:
             capacity = 0
         if url in match.hits and url not in hits:
             t = match.hits[url]
             hits[url] = (len(bases), t if scale == 1.0 else Tiers(*(x * scale for x in t)), (wait, decode, kv, capacity))
-        releases = policy._kv.get(url)
+        releases = policy.ledger.kv.get(url)
         if capacity and kv + need > capacity and releases is not None and releases.lives:
-            wait = max(wait, releases.wait(kv + need - capacity, now, wait, policy._tpot.get(url, policy.default_tpot_s)))
+            wait = max(wait, releases.wait(kv + need - capacity, now, wait, policy.ledger.tpot.get(url, policy.ledger.default_tpot_s)))
         busy += wait > 0.0
         bases.append(wait + decode)
     return bases, hits, busy
@@ -678,7 +670,7 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
     (routings, first tokens, completions, polls, new server_info, time passing, another list
     of workers), every decision must see what recomputing everything gives."""
     clock = _SteppingClock(0.0)
-    policy = _BusyProbe(index="approx", prefill_tokens_per_s=5_000,
+    policy = Cost(index="approx", prefill_tokens_per_s=5_000,
                         engine_load=data.draw(st.sampled_from(["drain", "max", "off"]), label="engine_load"),
                         memory=data.draw(st.booleans(), label="memory"))
     n = data.draw(st.integers(1, 4), label="workers")
@@ -740,9 +732,9 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                     held["http://127.0.0.1:9"] = Tiers(5)
                 match = IndexMatch(data.draw(st.integers(1, 4000)), "chars", held)
                 want = _backlogs_by_definition(policy, probe, chosen, match, clock.now, avg_at)
-                b = policy._backlogs(probe, chosen, match)
-                assert (b.bases, b.hits, policy.busy) == want
-                for kept in policy._rows._fleets:  # what ``Fleet.tight`` bisects stays sorted and in step
+                b = policy.backlogs(probe, chosen, match)
+                assert (b.bases, b.hits, b.busy) == want
+                for kept in policy.pricer.rows._fleets:  # what ``Fleet.tight`` bisects stays sorted and in step
                     assert kept.headroom == sorted(kept.headroom) and kept.room == [r for r, _ in kept.headroom]
     finally:
         cost_module.time = real_time
@@ -754,7 +746,7 @@ def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch)
     an engine queue that had drained drains again if the clock is set back (tests do)."""
     clock = _SteppingClock(0.0)
     monkeypatch.setattr("policies.cost.time", clock)
-    policy = _BusyProbe(index="approx", prefill_tokens_per_s=5_000)
+    policy = Cost(index="approx", prefill_tokens_per_s=5_000)
     w = WorkerView("http://127.0.0.1:8500", server_info={"max_total_num_tokens": 3000})
     booked = RequestView("b", "/generate", token_ids=[1] * 1000, max_tokens=400)
     policy.on_routed(booked, w)
@@ -763,8 +755,8 @@ def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch)
 
     def decide() -> list[float]:
         probe = RequestView(f"p{clock.now}", "/generate", text="x" * 800, max_tokens=100)
-        b = policy._backlogs(probe, [w], IndexMatch(800, "chars"))
-        assert (b.bases, b.hits, policy.busy) == _backlogs_by_definition(
+        b = policy.backlogs(probe, [w], IndexMatch(800, "chars"))
+        assert (b.bases, b.hits, b.busy) == _backlogs_by_definition(
             policy, probe, [w], IndexMatch(800, "chars"), clock.now, avg_at)
         return b.bases
 
@@ -775,7 +767,7 @@ def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch)
     assert decide()[0] > fits[0] + 1.0
     w.server_info = {"max_total_num_tokens": 3000}
     w.load = EngineLoad(waiting=4, timestamp=clock.now)
-    policy._avg_uncached = 2_500.0  # 10k tokens reported queued: 2 s at 5k tokens/s
+    policy.ledger.avg_uncached = 2_500.0  # 10k tokens reported queued: 2 s at 5k tokens/s
     draining = decide()[0]
     clock.now += 10.0
     settled = decide()[0]

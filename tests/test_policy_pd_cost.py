@@ -57,10 +57,10 @@ def test_a_prefill_worker_holds_the_prompt_kv_only_until_the_transfer():
     policy.on_routed(req, prefill)
     assert policy.stats()["booked_kv_tokens"] == 60_000  # the prompt, no output share
     probe = RequestView("p", "/generate", token_ids=list(range(100_000, 160_000)), max_tokens=10)
-    before = policy.costs(probe, [prefill])[0][0]
+    before = policy.price(probe, [prefill])[0][0][0]
     policy.on_first_token(req, prefill)
     assert policy.stats()["booked_kv_tokens"] == 0
-    assert policy.costs(probe, [prefill])[0][0] < before
+    assert policy.price(probe, [prefill])[0][0][0] < before
     policy.on_complete(req, prefill, Outcome(ok=True, completion_tokens=4000))
     assert policy.stats()["booked_kv_tokens"] == 0
 
