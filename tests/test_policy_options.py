@@ -17,13 +17,13 @@ from wire.options import OptionError, describe
 def test_cli_strings_become_typed_values():
     cost = load_policy("cost", work_weight="6", memory="off", seed="7", max_tree_size="auto",
                        kv_endpoints='{"http://127.0.0.1:1": "tcp://127.0.0.1:2"}')
-    assert cost.work_weight == 6.0 and cost.memory is False and cost.opts.seed == 7
+    assert cost.opts.work_weight == 6.0 and cost.opts.memory is False and cost.opts.seed == 7
     assert cost.opts.max_tree_size == "auto" and cost.budget.auto
     assert load_policy("cache_aware", max_tree_size="4096").index.max_units == 4096
 
 
 def test_yaml_reads_a_bare_off_as_false_and_engine_load_still_means_off():
-    assert load_policy("cost", engine_load=False).engine_load == "off"
+    assert load_policy("cost", engine_load=False).opts.engine_load == "off"
 
 
 @pytest.mark.parametrize("options, says", [
@@ -53,7 +53,7 @@ def test_policies_that_take_no_options_refuse_any():
 
 def test_pd_options_go_to_the_policy_that_declares_them():
     load = options_for({"work_weight": 3, "virtual_nodes": 8}, ["consistent_hash", "cost"])
-    assert load("cost", work_weight=3, virtual_nodes=8).work_weight == 3.0
+    assert load("cost", work_weight=3, virtual_nodes=8).opts.work_weight == 3.0
     assert load("consistent_hash", work_weight=3, virtual_nodes=8).virtual_nodes == 8
     with pytest.raises(OptionError, match="none of these policies takes it"):
         options_for({"virtual_nodez": 8}, ["consistent_hash", "cost"])
@@ -65,7 +65,7 @@ def test_the_gateway_applies_shared_pd_options_per_policy():
                         workers=[WorkerSpec(url="http://127.0.0.1:9", role="prefill"),
                                  WorkerSpec(url="http://127.0.0.1:10", role="decode")])
     state = GatewayState(cfg)
-    assert state.policies["prefill"].work_weight == 2.0
+    assert state.policies["prefill"].opts.work_weight == 2.0
 
 
 def test_every_builtin_documents_every_option():
