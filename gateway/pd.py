@@ -212,7 +212,7 @@ class PDProxy(Proxy):
                             prefill: Worker, decode: Worker, p_choice: Choice, d_choice: Choice,
                             rid: str | list[str]) -> web.StreamResponse | tuple[int, bytes, str]:
         for w, policy in ((prefill, self.prefill_policy), (decode, self.decode_policy)):
-            w.view.in_flight += 1
+            w.started()
             w.breaker.on_attempt()
             self.metrics.routed.labels(w.url).inc()
             policy.on_routed(view, w.view)
@@ -277,8 +277,8 @@ class PDProxy(Proxy):
                     task.cancel()
             if upstream is not None:
                 upstream.close()
-            prefill.view.in_flight -= 1
-            decode.view.in_flight -= 1
+            prefill.finished()
+            decode.finished()
             if p_outcome.ok and p_task.done() and not p_task.cancelled() and p_task.exception() is None:
                 p_outcome = prefill_outcome(*p_task.result())  # the prefix hit happens on prefill
             self.count_tokens(p_outcome, p_choice)

@@ -259,11 +259,10 @@ class Proxy:
     async def _attempt(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker,
                        choice: Choice) -> web.StreamResponse | tuple[int, bytes, str]:
         """A response for the client, or the failure (status, body, type) to retry past."""
-        wv = worker.view
-        wv.in_flight += 1
+        worker.started()
         worker.breaker.on_attempt()
         self.metrics.routed_to(worker.url).inc()
-        self.policy.on_routed(view, wv)
+        self.policy.on_routed(view, worker.view)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s -> %s (%s, held %.3fs)", view.request_id, worker.url, choice.reason, view.held_s)
         outcome = Outcome(ok=False, status=0, error="cancelled")
@@ -297,16 +296,16 @@ class Proxy:
             if outcome.error is MALFORMED and upstream.status < 400:
                 return self._failed(worker, "malformed", f"{MALFORMED}: {body[:80]!r}")
             worker.breaker.record_success()
-            self.policy.on_first_token(view, wv)
+            self.policy.on_first_token(view, worker.view)
             self.freed()
             return web.Response(status=upstream.status, body=body, content_type=ctype.split(";")[0],
                                 headers={"X-Request-ID": view.request_id})
         finally:
-            wv.in_flight -= 1
+            worker.finished()
             if upstream is not None:
                 upstream.close()  # idempotent after a full read; drops the connection otherwise
             self.count_tokens(outcome, choice)
-            self.policy.on_complete(view, wv, outcome)
+            self.policy.on_complete(view, worker.view, outcome)
             self.freed()
 
     def count_tokens(self, outcome: Outcome, choice: Choice) -> None:

@@ -5,12 +5,18 @@ The gateway builds these; an index or a policy only reads them. ``WorkerView`` i
 snapshot at routing time and ``RequestView`` what may be known of a request before it is
 sent (token ids only where the client sent them or the gateway holds the engine's
 tokenizer).
+
+``WorkerView`` is frozen: what changes is replaced, never mutated. The gateway's registry holds each
+worker's current ``WorkerView`` and replaces it when its health, models, in-flight count,
+load or server_info change; every decision is given the current views. So a view a policy
+kept (from a hook, from an earlier decision) is what the worker was then, and a policy that
+keeps figures per worker keys them by ``url``, not by view.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from wire.hashing import uint32_le
@@ -31,9 +37,9 @@ class EngineLoad:
         return self.used_tokens / self.max_tokens if self.max_tokens else 0.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class WorkerView:
-    """A read-only snapshot of one worker, as the gateway sees it at routing time."""
+    """A snapshot of one worker, as the gateway sees it at routing time (frozen: see the module)."""
 
     url: str
     role: str = "unified"  # unified | prefill | decode
@@ -44,17 +50,24 @@ class WorkerView:
     bootstrap_port: int | None = None
     server_info: Mapping[str, Any] = field(default_factory=dict)
 
-    # Bumped whenever any view's ``load`` or ``server_info`` is replaced, so a policy that
-    # keeps figures per worker (``policies.fleet_backlog``) learns in one read that no
-    # report changed since it last looked, instead of reading every worker's on every
-    # decision. Changes made inside either object are not counted: the gateway's poller
-    # replaces them whole.
+    # The reports contract. ``reports`` counts the views built by ``reported``, the one way
+    # to replace a worker's view with a new ``load`` or ``server_info`` (the gateway's
+    # registry uses nothing else; its replacements for health, models and in-flight counts
+    # keep both objects and count nothing). So a policy that keeps figures per worker
+    # (``policies.fleet_backlog``) learns in one read that no report changed since it last
+    # looked: while ``WorkerView.reports`` is unchanged, every worker's current view carries
+    # the same ``load`` and ``server_info`` objects as the one it read them from. Views built
+    # from scratch (a new worker, tests) are new urls or a new list to such a policy; a caller
+    # that replaces a report any other way breaks the contract. Neither object is changed
+    # inside: a poll builds a new ``EngineLoad``, discovery a new dict.
     reports: ClassVar[int] = 0
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name == "load" or name == "server_info":
-            WorkerView.reports += 1
+    def reported(self, **reports: Any) -> WorkerView:
+        """This view with a new ``load`` and/or ``server_info``, counted in ``reports``."""
+        if not reports.keys() <= {"load", "server_info"}:
+            raise TypeError(f"reported() takes load and server_info, not {sorted(reports)}")
+        WorkerView.reports += 1
+        return replace(self, **reports)
 
     @property
     def host(self) -> str:
