@@ -27,11 +27,11 @@ from aiohttp import web
 
 from gateway.errors import GatewayError
 from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, outcome_from_sse_tail, refused_hold,
-                           select, upstream_headers)
+                           upstream_headers)
 from gateway.request import Body
 from gateway.workers import Worker
 from index.views import Outcome, RequestView
-from policies.base import Choice, Hold, NoWorkerAvailable, Policy
+from policies.base import Choice, Hold, NoWorkerAvailable, Policy, select_each, selects_pairs
 
 log = logging.getLogger("kvgate.pd")
 _enc = msgspec.json.encode
@@ -111,24 +111,21 @@ class PDProxy(Proxy):
         prefills, decodes = pool("prefill"), pool("decode")
         if not prefills or not decodes:
             return None
-        pair = getattr(self.prefill_policy, "select_pair", None)
+        p_views, d_views = [w.view for w in prefills], [w.view for w in decodes]
         try:
-            if pair is not None:  # a joint scorer prices both legs together (plain or async)
-                chosen = pair(view, [w.view for w in prefills], [w.view for w in decodes])
-                return await chosen if inspect.isawaitable(chosen) else chosen
-            p = await select(self.prefill_policy, view, [w.view for w in prefills])
-            if isinstance(p, Hold):  # nothing is booked yet: the decode leg is chosen with it later
-                return p
-            may_hold, view.may_hold = view.may_hold, False  # prefill is chosen: decode must follow
-            try:
-                d = await select(self.decode_policy, view, [w.view for w in decodes])
-            finally:
-                view.may_hold = may_hold
+            if selects_pairs(self.prefill_policy, self.decode_policy):
+                chosen: Any = self.prefill_policy.select_pair(view, p_views, d_views)  # plain or async
+                if inspect.isawaitable(chosen):
+                    chosen = await chosen
+            else:
+                chosen = await select_each(self.prefill_policy, self.decode_policy, view, p_views, d_views)
         except NoWorkerAvailable:
             return None
-        if isinstance(d, Hold):
+        if isinstance(chosen, Hold):
+            return chosen
+        if isinstance(chosen[1], Hold):
             raise refused_hold(self.decode_policy)
-        return p, d
+        return chosen
 
     async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: Body | None = None) -> web.StreamResponse:
         assert body is not None
