@@ -6,11 +6,12 @@ snapshot at routing time and ``RequestView`` what may be known of a request befo
 sent (token ids only where the client sent them or the gateway holds the engine's
 tokenizer).
 
-``WorkerView`` is frozen: what changes is replaced, never mutated. The gateway's registry holds each
-worker's current ``WorkerView`` and replaces it when its health, models, in-flight count,
-load or server_info change; every decision is given the current views. So a view a policy
+Both are frozen: what changes is replaced, never mutated. The gateway's registry holds
+each worker's current ``WorkerView`` and replaces it when its health, models, in-flight
+count, load or server_info change; every decision is given the current views. So a view a policy
 kept (from a hook, from an earlier decision) is what the worker was then, and a policy that
-keeps figures per worker keys them by ``url``, not by view.
+keeps figures per worker keys them by ``url``, not by view. ``RequestView`` is replaced by
+the gateway where its hold state (``may_hold``, ``held_s``) changes between decisions.
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ class WorkerView:
         return host.rsplit(":", 1)[0].strip("[]") if ":" in host else host
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class RequestView:
     """What a policy may know about a request. Token ids are present only when the client
-    sent ``input_ids`` or the gateway was given the engine's tokenizer."""
+    sent ``input_ids`` or the gateway was given the engine's tokenizer. Frozen (see the
+    module), but for ``packed_ids``, which ``packed`` may fill in once: a memo of a pure
+    function of ``token_ids``, carried into the views that replace this one."""
 
     request_id: str
     route: str
@@ -110,7 +113,8 @@ class RequestView:
         packed = self.packed_ids
         if packed is None or len(packed) != 4 * len(tokens):
             try:
-                packed = self.packed_ids = uint32_le(tokens)
+                packed = uint32_le(tokens)
+                object.__setattr__(self, "packed_ids", packed)  # the memo: see the class
             except (OverflowError, TypeError):
                 return None
         return packed
