@@ -18,7 +18,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from aiohttp import web
@@ -181,12 +181,12 @@ class Attempts(Generic[P]):
         the view as it stands after (``may_hold`` false: the decision is made)."""
         may_hold = first and self.holds.max_hold_s > 0
         if view.may_hold is not may_hold:
-            view = replace(view, may_hold=may_hold)
+            view = view.holding(may_hold, view.held_s)
         result = await decide(view)
         if isinstance(result, Hold):
             return await self.hold(view, result, decide)
         if view.may_hold:
-            view = replace(view, may_hold=False)
+            view = view.holding(False, view.held_s)
         return result, view
 
     async def hold(self, view: RequestView, held: Hold, decide: Callable[[RequestView], Awaitable[T | Hold]]
@@ -208,12 +208,12 @@ class Attempts(Generic[P]):
                 left = room.max_hold_s - (time.monotonic() - start)
                 woken = left > 0 and await room.wait(min(timeout, left))
                 held_s = time.monotonic() - start
-                view = replace(view, held_s=held_s, may_hold=held_s < room.max_hold_s)
+                view = view.holding(held_s < room.max_hold_s, held_s)
                 result = await decide(view)
                 if not isinstance(result, Hold):
                     if woken:
                         room.committed()
-                    return result, replace(view, may_hold=False)
+                    return result, view.holding(False, held_s)
                 if not view.may_hold:
                     raise GatewayError(500, f"policy {policy.name!r} held a request past max_hold_secs",
                                        code="policy_error")

@@ -48,10 +48,10 @@ class Worker:
 
     def started(self) -> None:
         """One more request routed here and not yet finished."""
-        self.view = replace(self.view, in_flight=self.view.in_flight + 1)
+        self.view = self.view.with_in_flight(self.view.in_flight + 1)
 
     def finished(self) -> None:
-        self.view = replace(self.view, in_flight=self.view.in_flight - 1)
+        self.view = self.view.with_in_flight(self.view.in_flight - 1)
 
     def set_healthy(self, healthy: bool) -> None:
         self.view = replace(self.view, healthy=healthy)

@@ -6,12 +6,14 @@ snapshot at routing time and ``RequestView`` what may be known of a request befo
 sent (token ids only where the client sent them or the gateway holds the engine's
 tokenizer).
 
-Both are frozen: what changes is replaced, never mutated. The gateway's registry holds
-each worker's current ``WorkerView`` and replaces it when its health, models, in-flight
-count, load or server_info change; every decision is given the current views. So a view a policy
+What changes is replaced, never mutated. ``WorkerView`` is frozen: the gateway's registry
+holds each worker's current view and replaces it when its health, models, in-flight count,
+load or server_info change; every decision is given the current views. So a view a policy
 kept (from a hook, from an earlier decision) is what the worker was then, and a policy that
-keeps figures per worker keys them by ``url``, not by view. ``RequestView`` is replaced by
-the gateway where its hold state (``may_hold``, ``held_s``) changes between decisions.
+keeps figures per worker keys them by ``url``, not by view. The gateway replaces a
+``RequestView`` where its hold state (``may_hold``, ``held_s``) changes between decisions
+(``holding``) and changes none it has handed out; it is not frozen only because a frozen
+dataclass's ``__init__`` costs four times as much, on every request.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ class WorkerView:
         WorkerView.reports += 1
         return replace(self, **reports)
 
+    def with_in_flight(self, in_flight: int) -> WorkerView:
+        """This view with another in-flight count, twice a request (``dataclasses.replace``
+        costs ~2.5x as much; tests/test_gateway_attempts.py holds it to every field)."""
+        return WorkerView(self.url, self.role, self.models, self.healthy, in_flight, self.load,
+                          self.bootstrap_port, self.server_info)
+
     @property
     def host(self) -> str:
         rest = self.url.split("://", 1)[-1]
@@ -77,12 +85,12 @@ class WorkerView:
         return host.rsplit(":", 1)[0].strip("[]") if ":" in host else host
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RequestView:
     """What a policy may know about a request. Token ids are present only when the client
-    sent ``input_ids`` or the gateway was given the engine's tokenizer. Frozen (see the
-    module), but for ``packed_ids``, which ``packed`` may fill in once: a memo of a pure
-    function of ``token_ids``, carried into the views that replace this one."""
+    sent ``input_ids`` or the gateway was given the engine's tokenizer. Never changed once
+    handed out (see the module), but for ``packed_ids``, which ``packed`` may fill in once:
+    a memo of a pure function of ``token_ids``, carried into the views that replace this one."""
 
     request_id: str
     route: str
@@ -103,6 +111,13 @@ class RequestView:
     may_hold: bool = False  # the gateway accepts ``Hold`` for this decision
     held_s: float = 0.0  # how long the gateway has held this request so far
 
+    def holding(self, may_hold: bool, held_s: float) -> RequestView:
+        """This request with a new hold state (``dataclasses.replace`` costs ~7x as much,
+        twice a request; tests/test_gateway_attempts.py holds it to every field)."""
+        return RequestView(self.request_id, self.route, self.model, self.text, self.token_ids, self.packed_ids,
+                           self.session_key, self.stream, self.max_tokens, self.cache_salt, self.headers,
+                           may_hold, held_s)
+
     def packed(self) -> bytes | None:
         """``token_ids`` as uint32 little-endian (None if some id is no uint32): ``packed_ids``
         where they are these ids, else packed now and left there. A request the gateway holds
@@ -113,8 +128,7 @@ class RequestView:
         packed = self.packed_ids
         if packed is None or len(packed) != 4 * len(tokens):
             try:
-                packed = uint32_le(tokens)
-                object.__setattr__(self, "packed_ids", packed)  # the memo: see the class
+                packed = self.packed_ids = uint32_le(tokens)  # the memo: see the class
             except (OverflowError, TypeError):
                 return None
         return packed

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from index.views import EngineLoad, Outcome, RequestView, WorkerView
@@ -139,7 +139,7 @@ async def select_each(prefill: Policy, decode: Policy, request: RequestView, pre
         p = await p
     if isinstance(p, Hold):  # nothing is booked yet: the decode leg is chosen with it later
         return p
-    d: Any = decode.select(replace(request, may_hold=False) if request.may_hold else request, decodes)
+    d: Any = decode.select(request.holding(False, request.held_s) if request.may_hold else request, decodes)
     if type(d) is not Choice and inspect.isawaitable(d):
         d = await d
     return p, d

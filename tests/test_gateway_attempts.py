@@ -121,3 +121,27 @@ def test_all_timed_out_is_504_and_no_worker_at_all_is_503():
     assert isinstance(got, GatewayError) and got.status == 502
     got, _ = _run(_Script([], workers=0), max_retries=2)
     assert isinstance(got, GatewayError) and got.status == 503
+
+
+def test_the_fast_replacements_keep_every_other_field():
+    """``WorkerView.with_in_flight`` and ``RequestView.holding`` list the fields by hand (for
+    speed): a field added to either and not passed on fails here."""
+    import dataclasses
+
+    from policies.base import EngineLoad, WorkerView
+
+    def sample(cls):
+        values = {"url": "http://w:1", "request_id": "r", "route": "/generate", "role": "decode",
+                  "models": frozenset({"m"}), "healthy": False, "load": EngineLoad(running=1), "bootstrap_port": 7,
+                  "server_info": {"page_size": 16}, "model": "m", "text": "t", "token_ids": [1, 2],
+                  "packed_ids": b"\x01\x00\x00\x00\x02\x00\x00\x00", "session_key": "s", "stream": True,
+                  "max_tokens": 3, "cache_salt": "salt", "headers": {"a": "b"}, "in_flight": 2,
+                  "may_hold": False, "held_s": 0.0}
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert set(names) <= values.keys(), set(names) - values.keys()
+        return cls(**{n: values[n] for n in names})
+
+    w = sample(WorkerView)
+    assert w.with_in_flight(5) == dataclasses.replace(w, in_flight=5)
+    r = sample(RequestView)
+    assert r.holding(True, 1.5) == dataclasses.replace(r, may_hold=True, held_s=1.5)
