@@ -442,10 +442,12 @@ def main() -> None:
             policy.on_first_token(first, w)
             running.append((first, w))
             if polls:  # what that engine reports: this gateway's own traffic there
-                w = traffic.choice(fleet)
+                at = traffic.randrange(len(fleet))
+                w = fleet[at]
                 booked = policy.ledger.book[w.url]
-                w.load = EngineLoad(running=booked.decoding, waiting=sum(q is w for _, q in queued),
-                                    used_tokens=int(booked.kv), max_tokens=400_000, timestamp=time.monotonic())
+                fleet[at] = w.reported(load=EngineLoad(  # replaced, as the gateway's poller does
+                    running=booked.decoding, waiting=sum(q.url == w.url for _, q in queued),
+                    used_tokens=int(booked.kv), max_tokens=400_000, timestamp=time.monotonic()))
 
         wall, cpu = [], []
         for _, nxt in turns(tag):

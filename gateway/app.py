@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -29,7 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_json
 from gateway.process_metrics import ProcessCollector
 from gateway.ratelimit import RateLimiter, check_rate
-from gateway.pd import PDProxy, pd_policies
+from gateway.pd import Pairs, pd_policies
 from gateway.proxy import Proxy
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, read_body, request_id_from
 from gateway.upstream import make_session
@@ -95,13 +96,13 @@ class GatewayState:
         unique = list({id(p): p for p in self.policies.values()}.values())
         self.registry.poll_load = any(p.needs_engine_load for p in unique)
         self.registry.listeners.append(self._on_worker_event)
-        if cfg.pd_disaggregation:
-            self.proxy = PDProxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                                 cfg.max_hold_secs, cfg.hold_wake, prefill_policy=self.policies["prefill"],
-                                 decode_policy=self.policies["decode"])
-        else:
-            self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                               cfg.max_hold_secs, cfg.hold_wake)
+        pairs: Callable[[Callable[[], None]], Pairs] | None = None
+        if cfg.pd_disaggregation:  # each attempt is a prefill/decode pair, not one worker
+            def pairs(freed: Callable[[], None]) -> Pairs:
+                return Pairs(self.registry, self.policy, self.session, self.metrics, freed,
+                             prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"])
+        self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
+                           cfg.max_hold_secs, cfg.hold_wake, target=pairs)
         for role, policy in self.policies.items():
             self.metrics.policy_sources.append((f"{role}:{policy.name}", policy.stats))
         for policy in unique:

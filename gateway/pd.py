@@ -18,20 +18,22 @@ import inspect
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from gateway.attempts import RETRYABLE_STATUS, Failure, Reply, Tried, failed, refused_hold
 from gateway.errors import GatewayError
-from gateway.proxy import (RETRYABLE_STATUS, Proxy, _kind, outcome_from_json, outcome_from_sse_tail, refused_hold,
-                           select, upstream_headers)
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import count_tokens, kind, outcome_from_json, outcome_from_sse_tail, relay, upstream_headers
 from gateway.request import Body
-from gateway.workers import Worker
+from gateway.workers import Worker, WorkerRegistry
 from index.views import Outcome, RequestView
-from policies.base import Choice, Hold, NoWorkerAvailable, Policy
+from policies.base import Choice, Hold, NoWorkerAvailable, Policy, select_each, selects_pairs
 
 log = logging.getLogger("kvgate.pd")
 _enc = msgspec.json.encode
@@ -90,92 +92,108 @@ def last_sse_json(data: bytes) -> Any:
     return None
 
 
-def prefill_outcome(status: int, data: bytes, ctype: str) -> Outcome:
+def prefill_outcome(reply: Reply) -> Outcome:
     """Prompt and cached tokens as the prefill engine reported them (JSON or its SSE body)."""
-    if ctype.startswith("text/event-stream"):
-        return outcome_from_sse_tail(data[-16384:], status)
-    return outcome_from_json(data, status)
+    if reply.content_type.startswith("text/event-stream"):
+        return outcome_from_sse_tail(reply.body[-16384:], reply.status)
+    return outcome_from_json(reply.body, reply.status)
 
 
-class PDProxy(Proxy):
-    def __init__(self, *args: Any, prefill_policy: Policy, decode_policy: Policy, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+@dataclass(frozen=True, slots=True)
+class _Pick:
+    """One attempt's pair: the workers and the policies' choices of them."""
+
+    prefill: Worker
+    decode: Worker
+    p_choice: Choice
+    d_choice: Choice
+
+
+def _merge_first_event(first: bytes, prefill_data: bytes) -> bytes:
+    head, sep, rest = first.partition(b"\n\n")
+    if not sep or not head.startswith(b"data: {"):
+        return first
+    prefill_obj = last_sse_json(prefill_data) if prefill_data.lstrip().startswith(b"data:") else _dec(prefill_data)
+    merged = merge_input_logprobs(_dec(head[6:]), prefill_obj)
+    return b"data: " + _enc(merged) + b"\n\n" + rest
+
+
+
+class Pairs:
+    """What PD mode attempts: a prefill and a decode worker, asked at once (the target of
+    the shared retry loop, ``gateway.attempts``)."""
+
+    def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, freed: Callable[[], None], *, prefill_policy: Policy,
+                 decode_policy: Policy) -> None:
+        self.registry = registry
+        self.policy = policy  # the main policy: named when a hold goes wrong
+        self.session = session
+        self.metrics = metrics
+        self.freed = freed
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
+        self.joint = selects_pairs(prefill_policy, decode_policy)
 
-    async def _pair(self, view: RequestView, tried: set[str]) -> tuple[Choice, Choice] | Hold | None:
-        def pool(role: str) -> list[Worker]:  # untried first, as in Proxy.forward
-            return (self.registry.candidates(view.model, role=role, exclude=tried)
-                    or (self.registry.candidates(view.model, role=role) if tried else []))
+    async def decide(self, view: RequestView, tried: Tried) -> _Pick | Hold:
+        def pool(role: str) -> list[Worker]:  # untried first, as in unified mode
+            return (self.registry.candidates(view.model, role=role, exclude=tried.urls)
+                    or (self.registry.candidates(view.model, role=role) if tried.urls else []))
 
         prefills, decodes = pool("prefill"), pool("decode")
         if not prefills or not decodes:
-            return None
-        pair = getattr(self.prefill_policy, "select_pair", None)
-        try:
-            if pair is not None:  # a joint scorer prices both legs together (plain or async)
-                chosen = pair(view, [w.view for w in prefills], [w.view for w in decodes])
-                return await chosen if inspect.isawaitable(chosen) else chosen
-            p = await select(self.prefill_policy, view, [w.view for w in prefills])
-            if isinstance(p, Hold):  # nothing is booked yet: the decode leg is chosen with it later
-                return p
-            may_hold, view.may_hold = view.may_hold, False  # prefill is chosen: decode must follow
-            try:
-                d = await select(self.decode_policy, view, [w.view for w in decodes])
-            finally:
-                view.may_hold = may_hold
-        except NoWorkerAvailable:
-            return None
-        if isinstance(d, Hold):
+            raise NoWorkerAvailable
+        p_views, d_views = [w.view for w in prefills], [w.view for w in decodes]
+        if self.joint:
+            chosen: Any = self.prefill_policy.select_pair(view, p_views, d_views)
+            if inspect.isawaitable(chosen):
+                chosen = await chosen
+        else:
+            chosen = await select_each(self.prefill_policy, self.decode_policy, view, p_views, d_views)
+        if isinstance(chosen, Hold):
+            return chosen
+        p_choice, d_choice = chosen
+        if isinstance(d_choice, Hold):
             raise refused_hold(self.decode_policy)
-        return p, d
+        return _Pick(self.registry.workers[p_choice.worker.url], self.registry.workers[d_choice.worker.url],
+                     p_choice, d_choice)
 
-    async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: Body | None = None) -> web.StreamResponse:
-        assert body is not None
-        tried: set[str] = set()
-        last_failure: tuple[int, bytes, str] | None = None
-        attempts = timeouts = 0
+    @staticmethod
+    def urls(pick: _Pick) -> tuple[str, str]:
+        return pick.prefill.url, pick.decode.url
+
+    @staticmethod
+    def exhausted(view: RequestView, tried: Tried) -> GatewayError:
+        return GatewayError(502, "all prefill/decode attempts failed", code="upstream_unavailable")
+
+    @staticmethod
+    def timed_out(view: RequestView, tried: Tried) -> GatewayError:
+        return GatewayError(504, "no prefill/decode pair answered within the request timeout",
+                            code="upstream_timeout")
+
+    @staticmethod
+    def unavailable(view: RequestView) -> GatewayError:
+        return GatewayError(503, "PD mode needs a healthy prefill and a healthy decode worker",
+                            code="no_worker_available")
+
+    async def attempt(self, request: web.Request, view: RequestView, raw: bytes, body: object, pick: _Pick,
+                      n: int) -> web.StreamResponse | Failure:
+        """Attempt ``n``: a new room (and, where the client named none, a new rid) each time."""
+        assert isinstance(body, Body)
+        prefill = pick.prefill
         items = batch_size(body)
-        for attempt in range(self.max_retries + 1):
-            pair = await self.choose(view, lambda: self._pair(view, tried), first=not attempt)
-            if pair is None:
-                break
-            p_choice, d_choice = pair
-            prefill = self.registry.workers[p_choice.worker.url]
-            decode = self.registry.workers[d_choice.worker.url]
-            if attempt:
-                self.metrics.retries.inc()
-            rooms: int | list[int] = random.getrandbits(63) if items is None else [random.getrandbits(63) for _ in range(items)]
-            fields: dict[str, Any] = {
-                "bootstrap_host": prefill.view.host if items is None else [prefill.view.host] * items,
-                "bootstrap_port": prefill.view.bootstrap_port if items is None else [prefill.view.bootstrap_port] * items,
-                "bootstrap_room": rooms,
-            }
-            rid = body.rid
-            if rid is None:  # the partner leg can only be aborted by rid
-                rid = f"{view.request_id}-{attempt}"
-                fields["rid"] = rid if items is None else [f"{rid}-{i}" for i in range(items)]
-                rid = fields["rid"]
-            spliced = splice_fields(raw, fields)
-            result = await self._attempt_pair(request, view, spliced, body, prefill, decode, p_choice, d_choice, rid)
-            if isinstance(result, web.StreamResponse):
-                return result
-            tried.update((prefill.url, decode.url))
-            attempts += 1
-            timeouts += result[0] == 0 and result[2] == "timeout"
-            last_failure = result
-            if result[0] and result[0] < 500:
-                break  # the request itself is bad (e.g. prompt too long): retrying won't help
-        if last_failure is not None and last_failure[0] >= 400:
-            status, data, ctype = last_failure
-            return web.Response(status=status, body=data, content_type=ctype, headers={"X-Request-ID": view.request_id})
-        if attempts and timeouts == attempts:
-            raise GatewayError(504, "no prefill/decode pair answered within the request timeout",
-                               code="upstream_timeout")
-        if tried:
-            raise GatewayError(502, "all prefill/decode attempts failed", code="upstream_unavailable")
-        raise GatewayError(503, "PD mode needs a healthy prefill and a healthy decode worker",
-                           code="no_worker_available")
+        rooms: int | list[int] = random.getrandbits(63) if items is None else [random.getrandbits(63) for _ in range(items)]
+        fields: dict[str, Any] = {
+            "bootstrap_host": prefill.view.host if items is None else [prefill.view.host] * items,
+            "bootstrap_port": prefill.view.bootstrap_port if items is None else [prefill.view.bootstrap_port] * items,
+            "bootstrap_room": rooms,
+        }
+        rid = body.rid
+        if rid is None:  # the partner leg can only be aborted by rid
+            rid = f"{view.request_id}-{n}"
+            fields["rid"] = rid if items is None else [f"{rid}-{i}" for i in range(items)]
+            rid = fields["rid"]
+        return await self._attempt_pair(request, view, splice_fields(raw, fields), body, pick, rid)
 
     async def _abort(self, worker: Worker, rid: str | list[str]) -> None:
         """Best effort: the engine drops a queued or waiting request by rid."""
@@ -188,10 +206,10 @@ class PDProxy(Proxy):
             except Exception as exc:  # the leg may be dead already: that is why we abort
                 log.debug("abort of %s on %s failed: %r", one, worker.url, exc)
 
-    async def _call_prefill(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker) -> tuple[int, bytes, str]:
+    async def _call_prefill(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker) -> Reply:
         async with self.session.post(worker.url + view.route, data=raw,
                                      headers=upstream_headers(request, view.request_id, worker)) as resp:
-            return resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json")
+            return Reply(resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json"))
 
     async def _open_decode(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker
                            ) -> tuple[aiohttp.ClientResponse, bytes | None]:
@@ -208,13 +226,13 @@ class PDProxy(Proxy):
             resp.close()
             raise
 
-    async def _attempt_pair(self, request: web.Request, view: RequestView, raw: bytes, body: Body,
-                            prefill: Worker, decode: Worker, p_choice: Choice, d_choice: Choice,
-                            rid: str | list[str]) -> web.StreamResponse | tuple[int, bytes, str]:
+    async def _attempt_pair(self, request: web.Request, view: RequestView, raw: bytes, body: Body, pick: _Pick,
+                            rid: str | list[str]) -> web.StreamResponse | Failure:
+        prefill, decode, metrics = pick.prefill, pick.decode, self.metrics
         for w, policy in ((prefill, self.prefill_policy), (decode, self.decode_policy)):
-            w.view.in_flight += 1
+            w.started()
             w.breaker.on_attempt()
-            self.metrics.routed.labels(w.url).inc()
+            metrics.routed.labels(w.url).inc()
             policy.on_routed(view, w.view)
         p_task = asyncio.create_task(self._call_prefill(request, view, raw, prefill))
         d_task = asyncio.create_task(self._open_decode(request, view, raw, decode))
@@ -226,32 +244,31 @@ class PDProxy(Proxy):
             if p_task in done:
                 failure = self._leg_failure(prefill, p_task)
                 if failure is not None:
-                    p_outcome = Outcome(ok=False, status=failure[0], error=failure[1][:200].decode(errors="replace"))
+                    p_outcome = Outcome(ok=False, status=failure.status, error=failure.body[:200].decode(errors="replace"))
                     d_task.cancel()
                     await self._abort(decode, rid)
                     return failure
             try:
                 upstream, first = await d_task
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                failure = self._failed(decode, _kind(exc, "connect"), repr(exc))
+                failure = failed(decode, kind(exc, "connect"), repr(exc), metrics)
                 p_task.cancel()
                 await self._abort(prefill, rid)
                 return failure
             if upstream.status >= 400:
                 data = await upstream.read()
-                ctype = upstream.headers.get("Content-Type", "application/json").split(";")[0]
                 if upstream.status in RETRYABLE_STATUS:
-                    self._failed(decode, f"http_{upstream.status}", data[:200].decode(errors="replace"))
+                    failed(decode, f"http_{upstream.status}", data[:200].decode(errors="replace"), metrics)
                 p_task.cancel()
                 await self._abort(prefill, rid)
                 d_outcome = Outcome(ok=False, status=upstream.status)
-                return (upstream.status, data, ctype)
+                return Failure.answered(upstream.status, data, upstream.headers.get("Content-Type", "application/json"))
             need_prefill = wants_logprobs(body)
             if need_prefill or first is None:
                 # Decode answered, so prefill has (or is about to have) finished; its errors still count.
-                p_status, p_data, _ = await p_task
-                if p_status >= 400:
-                    return (p_status, p_data, "application/json")
+                reply = await p_task
+                if reply.status >= 400:
+                    return Failure.answered(reply.status, reply.body, "application/json")
             prefill.breaker.record_success()
             p_outcome = Outcome(ok=True, status=200)
             self.prefill_policy.on_first_token(view, prefill.view)
@@ -259,7 +276,7 @@ class PDProxy(Proxy):
             if first is None:  # non-stream JSON
                 data = await upstream.read()
                 if need_prefill:
-                    data = _enc(merge_input_logprobs(_dec(data), _dec(p_task.result()[1])))
+                    data = _enc(merge_input_logprobs(_dec(data), _dec(p_task.result().body)))
                 decode.breaker.record_success()
                 d_outcome = outcome_from_json(data, upstream.status)
                 self.decode_policy.on_first_token(view, decode.view)
@@ -267,9 +284,9 @@ class PDProxy(Proxy):
                                     content_type=upstream.headers.get("Content-Type", "application/json").split(";")[0],
                                     headers={"X-Request-ID": view.request_id})
             if need_prefill:
-                first = self._merge_first_event(first, p_task.result()[1])
-            response, d_outcome = await self._stream(request, view, decode, upstream, started, first=first,
-                                                     policy=self.decode_policy)
+                first = _merge_first_event(first, p_task.result().body)
+            response, d_outcome = await relay(request, view, decode, upstream, started, self.decode_policy,
+                                              metrics, self.freed, first=first)
             return response
         finally:
             for task in (p_task, d_task):
@@ -277,34 +294,25 @@ class PDProxy(Proxy):
                     task.cancel()
             if upstream is not None:
                 upstream.close()
-            prefill.view.in_flight -= 1
-            decode.view.in_flight -= 1
+            prefill.finished()
+            decode.finished()
             if p_outcome.ok and p_task.done() and not p_task.cancelled() and p_task.exception() is None:
-                p_outcome = prefill_outcome(*p_task.result())  # the prefix hit happens on prefill
-            self.count_tokens(p_outcome, p_choice)
+                p_outcome = prefill_outcome(p_task.result())  # the prefix hit happens on prefill
+            count_tokens(metrics, p_outcome, pick.p_choice)
             self.prefill_policy.on_complete(view, prefill.view, p_outcome)
             self.decode_policy.on_complete(view, decode.view, d_outcome)
             self.freed()
 
-    def _leg_failure(self, worker: Worker, task: asyncio.Task) -> tuple[int, bytes, str] | None:
+    def _leg_failure(self, worker: Worker, task: asyncio.Task) -> Failure | None:
         exc = task.exception()
         if exc is not None:
-            return self._failed(worker, _kind(exc, "connect"), repr(exc))
-        status, data, ctype = task.result()
-        if status >= 400:
-            if status in RETRYABLE_STATUS:
-                self._failed(worker, f"http_{status}", data[:200].decode(errors="replace"))
-            return (status, data, ctype.split(";")[0])
+            return failed(worker, kind(exc, "connect"), repr(exc), self.metrics)
+        reply: Reply = task.result()
+        if reply.status >= 400:
+            if reply.status in RETRYABLE_STATUS:
+                failed(worker, f"http_{reply.status}", reply.body[:200].decode(errors="replace"), self.metrics)
+            return Failure.answered(reply.status, reply.body, reply.content_type)
         return None
-
-    @staticmethod
-    def _merge_first_event(first: bytes, prefill_data: bytes) -> bytes:
-        head, sep, rest = first.partition(b"\n\n")
-        if not sep or not head.startswith(b"data: {"):
-            return first
-        prefill_obj = last_sse_json(prefill_data) if prefill_data.lstrip().startswith(b"data:") else _dec(prefill_data)
-        merged = merge_input_logprobs(_dec(head[6:]), prefill_obj)
-        return b"data: " + _enc(merged) + b"\n\n" + rest
 
 
 def pd_policies(cfg: Any, default: Policy, load: Any) -> tuple[Policy, Policy]:
@@ -313,4 +321,4 @@ def pd_policies(cfg: Any, default: Policy, load: Any) -> tuple[Policy, Policy]:
     return prefill, decode
 
 
-__all__: Sequence[str] = ["PDProxy", "splice_fields", "batch_size", "merge_input_logprobs", "pd_policies"]
+__all__: Sequence[str] = ["Pairs", "splice_fields", "batch_size", "merge_input_logprobs", "pd_policies"]

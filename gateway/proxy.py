@@ -3,35 +3,35 @@
 Retries pick another worker only while nothing has reached the client: the first chunk
 of a stream is read from upstream *before* the client's headers are sent, so a worker
 that dies before its first token costs a retry, not an error. After that, an upstream
-failure ends the stream with one valid JSON error event and ``[DONE]``.
+failure ends the stream with one valid JSON error event and ``[DONE]``. The retry loop
+itself is ``gateway.attempts``, shared with PD mode (``gateway.pd``); here are what one
+attempt on one worker does (``Unified``) and the relay of a response both modes use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from gateway.attempts import RETRYABLE_STATUS, Attempts, Failure, Target, Tried, failed, refused_hold, select
 from gateway.errors import GatewayError, sse_error_frame
-from gateway.hold import HoldRoom
 from gateway.metrics import GatewayMetrics
 from gateway.workers import Worker, WorkerRegistry
-from index.views import Outcome, RequestView, WorkerView
+from index.views import Outcome, RequestView
 from policies.base import Choice, Hold, NoWorkerAvailable, Policy
 
 log = logging.getLogger("kvgate.proxy")
 
-RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 MALFORMED = "upstream answered with malformed JSON"
 _TAIL_BYTES = 16384
-T = TypeVar("T")
+__all__ = ["MALFORMED", "RETRYABLE_STATUS", "Proxy", "Unified", "outcome_from_json", "outcome_from_sse_tail",
+           "refused_hold", "relay", "select", "upstream_headers"]
 
 
 class _Details(msgspec.Struct):
@@ -123,147 +123,93 @@ def upstream_headers(request: web.Request, request_id: str, worker: Worker) -> d
     return headers
 
 
-def _kind(exc: BaseException, otherwise: str) -> str:
+def kind(exc: BaseException, otherwise: str) -> str:
     return "timeout" if isinstance(exc, asyncio.TimeoutError) else otherwise
 
 
-def refused_hold(policy: Policy) -> GatewayError:
-    """A policy answered ``Hold`` to a request that may not be held: a plugin bug."""
-    return GatewayError(500, f"policy {policy.name!r} held a request it was told not to hold", code="policy_error")
-
-
-async def select(policy: Policy, view: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
-    """``Policy.select`` may be plain or async; a plain ``Choice`` skips ``inspect.isawaitable``."""
-    choice = policy.select(view, workers)
-    if type(choice) is not Choice and inspect.isawaitable(choice):
-        choice = await choice
-    return choice  # type: ignore[return-value]
+def count_tokens(metrics: GatewayMetrics, outcome: Outcome, choice: Choice) -> None:
+    """Engine-reported prompt and cached tokens, beside what the policy predicted."""
+    if outcome.prompt_tokens:
+        metrics.prompt_tokens.inc(outcome.prompt_tokens)
+        if outcome.cached_tokens is not None:
+            metrics.cached_tokens.inc(outcome.cached_tokens)
+            if choice.predicted_cached_tokens is not None:
+                metrics.predicted_cached.inc(choice.predicted_cached_tokens)
 
 
 class Proxy:
+    """Forwards a client request through the shared retry loop to a ``target``: by default
+    one worker per attempt (``Unified``); PD mode passes its pairs (``gateway.pd``)."""
+
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 16) -> None:
+                 metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 16,
+                 target: Callable[[Callable[[], None]], Target] | None = None) -> None:
+        """``target(freed)`` builds what is attempted; ``freed`` wakes held requests."""
+        self.attempts: Attempts = Attempts(metrics, max_retries, max_hold_s, hold_wake)
+        make = target or (lambda freed: Unified(registry, policy, session, metrics, freed))
+        self.attempts.target = make(self.attempts.freed)
+        self.holds = self.attempts.holds
+
+    async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: object = None) -> web.StreamResponse:
+        return await self.attempts.run(request, view, raw, body)
+
+
+class Unified:
+    """One unified worker per attempt."""
+
+    def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, freed: Callable[[], None]) -> None:
         self.registry = registry
         self.policy = policy
         self.session = session
         self.metrics = metrics
-        self.max_retries = max_retries
-        self.holds = HoldRoom(max_hold_s, hold_wake)
+        self.freed = freed
 
-    async def choose(self, view: RequestView, decide: Callable[[], Awaitable[T | Hold]], first: bool) -> T:
-        """``decide()``, holding the request while it answers ``Hold``. Only a first attempt
-        may be held: a retry has waited already."""
-        view.may_hold = first and self.holds.max_hold_s > 0
-        result = await decide()
-        if isinstance(result, Hold):
-            return await self.hold(view, result, decide)
-        view.may_hold = False
-        return result
+    async def decide(self, view: RequestView, tried: Tried) -> tuple[Worker, Choice] | Hold:
+        # Prefer workers not tried yet; when every one was, any available one that did not
+        # time out (a fault may be the request's bad luck, not the worker's; the breaker
+        # catches the rest).
+        workers = self.registry.candidates(view.model, exclude=tried.urls) or (
+            self.registry.candidates(view.model, exclude=tried.timed_out) if tried.urls else [])
+        if not workers:
+            raise NoWorkerAvailable
+        choice = await select(self.policy, view, [w.view for w in workers])
+        if isinstance(choice, Hold):
+            return choice
+        worker = self.registry.workers.get(choice.worker.url)
+        if worker is None:
+            raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
+        return worker, choice
 
-    async def hold(self, view: RequestView, held: Hold, decide: Callable[[], Awaitable[T | Hold]]) -> T:
-        """Keep a held request until ``decide()`` answers something other than ``Hold``.
+    @staticmethod
+    def urls(pick: tuple[Worker, Choice]) -> tuple[str]:
+        return (pick[0].url,)
 
-        It is asked again when a routed request reaches its first token or ends (some
-        held requests are, see ``HoldRoom``), or after the policy's ``retry_s`` (backing
-        off while those retries find no room); past ``max_hold_s`` the request no longer
-        ``may_hold`` and the policy must choose."""
-        if not view.may_hold:
-            raise refused_hold(self.policy)
-        room, start = self.holds, time.monotonic()
-        self.metrics.held.inc()
-        timeout = held.retry_s
-        try:
-            while True:
-                left = room.max_hold_s - (time.monotonic() - start)
-                woken = left > 0 and await room.wait(min(timeout, left))
-                view.held_s = time.monotonic() - start
-                view.may_hold = view.held_s < room.max_hold_s
-                result = await decide()
-                if not isinstance(result, Hold):
-                    if woken:
-                        room.committed()
-                    return result
-                if not view.may_hold:
-                    raise GatewayError(500, f"policy {self.policy.name!r} held a request past max_hold_secs",
-                                       code="policy_error")
-                held = result
-                # Held again after its own retry time: the room it was predicted did not come,
-                # so it backs off (doubling, to 1 s). Held requests book nothing, so every one
-                # is predicted to start soon, and fixed retries of a few ms would cost a
-                # decision per held request every few ms; events still wake some at once.
-                timeout = held.retry_s if woken else max(held.retry_s, min(2 * timeout, 1.0))
-        finally:
-            view.may_hold = False
-            self.metrics.hold_seconds.observe(time.monotonic() - start)
+    def exhausted(self, view: RequestView, tried: Tried) -> GatewayError:
+        last = self.registry.workers.get(tried.urls[-1])
+        detail = f": {last.last_error}" if last is not None and last.last_error else ""
+        return GatewayError(502, f"all upstream attempts failed ({', '.join(tried.urls)}){detail}",
+                            code="upstream_unavailable")
 
-    def freed(self) -> None:
-        """A request reached its first token or ended: some held requests are decided again (``HoldRoom``)."""
-        if self.holds.held:
-            self.holds.notify()
+    @staticmethod
+    def timed_out(view: RequestView, tried: Tried) -> GatewayError:
+        return GatewayError(504, f"no upstream answered within the request timeout ({', '.join(tried.urls)})",
+                            code="upstream_timeout")
 
-    async def forward(self, request: web.Request, view: RequestView, raw: bytes, body: object = None) -> web.StreamResponse:
-        tried: list[str] = []
-        timed_out: list[str] = []  # never worth a second try: the engine is stuck, not unlucky
-        last_failure: tuple[int, bytes, str] | None = None
+    @staticmethod
+    def unavailable(view: RequestView) -> GatewayError:
+        return GatewayError(503, "no healthy worker available" + (f" for model {view.model!r}" if view.model else ""),
+                            code="no_worker_available")
 
-        def candidates() -> list[Worker]:
-            # Prefer workers not tried yet; when every one was, any available one (a fault
-            # may be the request's bad luck, not the worker's; the breaker catches the rest).
-            return self.registry.candidates(view.model, exclude=tried) or (
-                self.registry.candidates(view.model, exclude=timed_out) if tried else [])
-
-        async def decide() -> Choice | Hold:
-            workers = candidates()
-            if not workers:
-                raise NoWorkerAvailable
-            return await select(self.policy, view, [w.view for w in workers])
-
-        for attempt in range(self.max_retries + 1):
-            try:
-                choice = await self.choose(view, decide, first=not attempt)
-            except NoWorkerAvailable:
-                break
-            worker = self.registry.workers.get(choice.worker.url)
-            if worker is None:
-                raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
-            tried.append(worker.url)
-            if attempt:
-                self.metrics.retries.inc()
-            result = await self._attempt(request, view, raw, worker, choice)
-            if isinstance(result, web.StreamResponse):
-                return result
-            if result[0] == 0 and result[2] == "timeout":
-                timed_out.append(worker.url)
-            last_failure = result
-        if last_failure is not None and last_failure[0] >= 400:
-            status, body, ctype = last_failure
-            return web.Response(status=status, body=body, content_type=ctype,
-                                headers={"X-Request-ID": view.request_id})
-        if tried and len(timed_out) == len(tried):
-            raise GatewayError(504, f"no upstream answered within the request timeout ({', '.join(tried)})",
-                               code="upstream_timeout")
-        if tried:
-            last = self.registry.workers.get(tried[-1])
-            detail = f": {last.last_error}" if last is not None and last.last_error else ""
-            raise GatewayError(502, f"all upstream attempts failed ({', '.join(tried)}){detail}", code="upstream_unavailable")
-        raise GatewayError(503, "no healthy worker available" + (f" for model {view.model!r}" if view.model else ""),
-                           code="no_worker_available")
-
-    def _failed(self, worker: Worker, kind: str, detail: str) -> tuple[int, bytes, str]:
-        worker.breaker.record_failure()
-        worker.last_error = detail
-        self.metrics.upstream_errors.labels(worker.url, kind).inc()
-        log.warning("upstream %s failed (%s): %s", worker.url, kind, detail)
-        return (0, b"", kind)  # no response: the third field names the failure, not a content type
-
-    async def _attempt(self, request: web.Request, view: RequestView, raw: bytes, worker: Worker,
-                       choice: Choice) -> web.StreamResponse | tuple[int, bytes, str]:
-        """A response for the client, or the failure (status, body, type) to retry past."""
-        wv = worker.view
-        wv.in_flight += 1
+    async def attempt(self, request: web.Request, view: RequestView, raw: bytes, body: object,
+                      pick: tuple[Worker, Choice], n: int) -> web.StreamResponse | Failure:
+        """A response for the client, or the failure to retry past."""
+        worker, choice = pick
+        metrics = self.metrics
+        worker.started()
         worker.breaker.on_attempt()
-        self.metrics.routed_to(worker.url).inc()
-        self.policy.on_routed(view, wv)
+        metrics.routed_to(worker.url).inc()
+        self.policy.on_routed(view, worker.view)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s -> %s (%s, held %.3fs)", view.request_id, worker.url, choice.reason, view.held_s)
         outcome = Outcome(ok=False, status=0, error="cancelled")
@@ -275,106 +221,100 @@ class Proxy:
                                                    headers=upstream_headers(request, view.request_id, worker))
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 outcome.error = repr(exc)
-                return self._failed(worker, _kind(exc, "connect"), repr(exc))
+                return failed(worker, kind(exc, "connect"), repr(exc), metrics)
             ctype = upstream.headers.get("Content-Type", "application/json")
             if upstream.status in RETRYABLE_STATUS:
                 try:
-                    body = await upstream.read()
+                    data = await upstream.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError):
-                    body = b""
-                outcome = Outcome(ok=False, status=upstream.status, error=body[:200].decode(errors="replace"))
-                self._failed(worker, f"http_{upstream.status}", outcome.error or "")
-                return (upstream.status, body, ctype.split(";")[0])
+                    data = b""
+                outcome = Outcome(ok=False, status=upstream.status, error=data[:200].decode(errors="replace"))
+                failed(worker, f"http_{upstream.status}", outcome.error or "", metrics)
+                return Failure.answered(upstream.status, data, ctype)
             if ctype.startswith("text/event-stream"):
-                response, outcome = await self._stream(request, view, worker, upstream, started)
+                response, outcome = await relay(request, view, worker, upstream, started, self.policy, metrics,
+                                                self.freed)
                 return response
             try:
-                body = await upstream.read()
+                data = await upstream.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 outcome.error = repr(exc)
-                return self._failed(worker, _kind(exc, "read"), repr(exc))
-            outcome = outcome_from_json(body, upstream.status)
+                return failed(worker, kind(exc, "read"), repr(exc), metrics)
+            outcome = outcome_from_json(data, upstream.status)
             if outcome.error is MALFORMED and upstream.status < 400:
-                return self._failed(worker, "malformed", f"{MALFORMED}: {body[:80]!r}")
+                return failed(worker, "malformed", f"{MALFORMED}: {data[:80]!r}", metrics)
             worker.breaker.record_success()
-            self.policy.on_first_token(view, wv)
+            self.policy.on_first_token(view, worker.view)
             self.freed()
-            return web.Response(status=upstream.status, body=body, content_type=ctype.split(";")[0],
+            return web.Response(status=upstream.status, body=data, content_type=ctype.split(";")[0],
                                 headers={"X-Request-ID": view.request_id})
         finally:
-            wv.in_flight -= 1
+            worker.finished()
             if upstream is not None:
                 upstream.close()  # idempotent after a full read; drops the connection otherwise
-            self.count_tokens(outcome, choice)
-            self.policy.on_complete(view, wv, outcome)
+            count_tokens(metrics, outcome, choice)
+            self.policy.on_complete(view, worker.view, outcome)
             self.freed()
 
-    def count_tokens(self, outcome: Outcome, choice: Choice) -> None:
-        """Engine-reported prompt and cached tokens, beside what the policy predicted."""
-        if outcome.prompt_tokens:
-            self.metrics.prompt_tokens.inc(outcome.prompt_tokens)
-            if outcome.cached_tokens is not None:
-                self.metrics.cached_tokens.inc(outcome.cached_tokens)
-                if choice.predicted_cached_tokens is not None:
-                    self.metrics.predicted_cached.inc(choice.predicted_cached_tokens)
 
-    async def _stream(self, request: web.Request, view: RequestView, worker: Worker,
-                      upstream: aiohttp.ClientResponse, started: float, *, first: bytes | None = None,
-                      policy: Policy | None = None) -> tuple[web.StreamResponse | tuple, Outcome]:
-        """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it)."""
-        policy = policy or self.policy
-        chunks = upstream.content.iter_any()
-        if first is None:
-            try:
-                first = await chunks.__anext__()
-            except StopAsyncIteration:
-                first = b""
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                return self._failed(worker, _kind(exc, "stream_start"), repr(exc)), Outcome(ok=False, error=repr(exc))
-        response = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            "X-Request-ID": view.request_id,
-        })
-        await response.prepare(request)
-        self.metrics.ttft_of(view.route).observe(time.perf_counter() - started)
-        policy.on_first_token(view, worker.view)
-        self.freed()
-        # The last _TAIL_BYTES of the stream, kept as a list trimmed only when it has doubled:
-        # re-slicing a 16 KiB tail on every chunk copied ~0.3 MB per 64-chunk stream.
-        tail, tail_len = [first], len(first)
-        chunk = first
-        failure: str | None = None
-        while True:
-            if chunk:
-                try:
-                    await response.write(chunk)
-                except (ConnectionResetError, ConnectionError, RuntimeError):
-                    return response, Outcome(ok=False, status=499, error="client disconnected")
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                failure = repr(exc) or type(exc).__name__
-                break
-            tail.append(chunk)
-            tail_len += len(chunk)
-            if tail_len > 2 * _TAIL_BYTES:
-                tail = [b"".join(tail)[-_TAIL_BYTES:]]
-                tail_len = len(tail[0])
-        if failure is not None:
-            self._failed(worker, "mid_stream", failure)
-            try:
-                await response.write(sse_error_frame(f"upstream {worker.url} failed mid-stream: {failure}"))
-                await response.write_eof()
-            except (ConnectionResetError, ConnectionError, RuntimeError):
-                pass
-            return response, Outcome(ok=False, status=502, error=failure)
-        worker.breaker.record_success()
+async def relay(request: web.Request, view: RequestView, worker: Worker, upstream: aiohttp.ClientResponse,
+                started: float, policy: Policy, metrics: GatewayMetrics, freed: Callable[[], None], *,
+                first: bytes | None = None) -> tuple[web.StreamResponse | Failure, Outcome]:
+    """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it).
+    A failure before the first chunk is answered as a ``Failure`` (nothing reached the
+    client: the loop may retry); after it, the stream ends with a JSON error event."""
+    chunks = upstream.content.iter_any()
+    if first is None:
         try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return failed(worker, kind(exc, "stream_start"), repr(exc), metrics), Outcome(ok=False, error=repr(exc))
+    response = web.StreamResponse(status=upstream.status, headers={
+        "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+        "X-Request-ID": view.request_id,
+    })
+    await response.prepare(request)
+    metrics.ttft_of(view.route).observe(time.perf_counter() - started)
+    policy.on_first_token(view, worker.view)
+    freed()
+    # The last _TAIL_BYTES of the stream, kept as a list trimmed only when it has doubled:
+    # re-slicing a 16 KiB tail on every chunk copied ~0.3 MB per 64-chunk stream.
+    tail, tail_len = [first], len(first)
+    chunk = first
+    failure: str | None = None
+    while True:
+        if chunk:
+            try:
+                await response.write(chunk)
+            except (ConnectionResetError, ConnectionError, RuntimeError):
+                return response, Outcome(ok=False, status=499, error="client disconnected")
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            failure = repr(exc) or type(exc).__name__
+            break
+        tail.append(chunk)
+        tail_len += len(chunk)
+        if tail_len > 2 * _TAIL_BYTES:
+            tail = [b"".join(tail)[-_TAIL_BYTES:]]
+            tail_len = len(tail[0])
+    if failure is not None:
+        failed(worker, "mid_stream", failure, metrics)
+        try:
+            await response.write(sse_error_frame(f"upstream {worker.url} failed mid-stream: {failure}"))
             await response.write_eof()
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
-        return response, outcome_from_sse_tail(b"".join(tail)[-_TAIL_BYTES:], upstream.status)
+        return response, Outcome(ok=False, status=502, error=failure)
+    worker.breaker.record_success()
+    try:
+        await response.write_eof()
+    except (ConnectionResetError, ConnectionError, RuntimeError):
+        pass
+    return response, outcome_from_sse_tail(b"".join(tail)[-_TAIL_BYTES:], upstream.status)

@@ -1,7 +1,9 @@
 """The worker registry: who is out there, whether they are healthy, and how loaded.
 
-Each ``Worker`` owns one ``WorkerView`` that policies read; the registry mutates it in
-place (in-flight, load, health) so routing never copies snapshots on the hot path.
+Each ``Worker`` holds its current ``WorkerView``, which policies read, and replaces it
+whenever health, models, the in-flight count, load or server_info change (a view is never
+changed once handed out: ``index.views``). A new report (load, server_info) goes through
+``WorkerView.reported``, so policies learn from ``WorkerView.reports`` that one came.
 Background loops probe ``/health`` with failure/success thresholds and, when the policy
 asks for it, poll ``/v1/loads`` (falling back to ``/get_load`` on older SGLang).
 """
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -42,6 +45,16 @@ class Worker:
         self.load_endpoint: str | None = "/v1/loads"
         self.draining = False
         self.tokenizer_match: dict[str, bool] | None = None  # gateway.tokenizer_check's answer, once asked
+
+    def started(self) -> None:
+        """One more request routed here and not yet finished."""
+        self.view = self.view.with_in_flight(self.view.in_flight + 1)
+
+    def finished(self) -> None:
+        self.view = self.view.with_in_flight(self.view.in_flight - 1)
+
+    def set_healthy(self, healthy: bool) -> None:
+        self.view = replace(self.view, healthy=healthy)
 
     @property
     def available(self) -> bool:
@@ -148,18 +161,18 @@ class WorkerRegistry:
         for path in ("/server_info", "/get_server_info"):
             try:
                 info = await self._get_json(worker, path)
-                worker.view.server_info = info if isinstance(info, dict) else {}
+                worker.view = worker.view.reported(server_info=info if isinstance(info, dict) else {})
                 break
             except Exception:
                 continue
         try:
             models = await self._get_json(worker, "/v1/models")
-            worker.view.models = frozenset(m["id"] for m in models.get("data", []) if "id" in m)
+            worker.view = replace(worker.view, models=frozenset(m["id"] for m in models.get("data", []) if "id" in m))
         except Exception as exc:
             worker.last_error = f"model discovery failed: {exc!r}"
         if worker.view.role == "prefill" and worker.view.bootstrap_port is None:
             port = worker.view.server_info.get("disaggregation_bootstrap_port")
-            worker.view.bootstrap_port = int(port) if port else None
+            worker.view = replace(worker.view, bootstrap_port=int(port) if port else None)
 
     async def check_health(self, worker: Worker, initial: bool = False) -> bool:
         try:
@@ -175,7 +188,7 @@ class WorkerRegistry:
             worker.fail_streak = 0
             worker.ok_streak += 1
             if not was and (initial or worker.ok_streak >= self.cfg.health_success_threshold):
-                worker.view.healthy = True
+                worker.set_healthy(True)
                 worker.breaker.record_success()
                 if not worker.view.models:
                     await self._discover(worker)
@@ -183,7 +196,7 @@ class WorkerRegistry:
             worker.ok_streak = 0
             worker.fail_streak += 1
             if was and worker.fail_streak >= self.cfg.health_failure_threshold:
-                worker.view.healthy = False
+                worker.set_healthy(False)
         if was != worker.view.healthy:
             log.log(logging.INFO if worker.view.healthy else logging.WARNING, "worker %s is now %s", worker.url,
                     "healthy" if worker.view.healthy else "unhealthy")
@@ -194,7 +207,8 @@ class WorkerRegistry:
         if worker.load_endpoint is None:
             return
         try:
-            worker.view.load = parse_loads(await self._get_json(worker, worker.load_endpoint))
+            load = parse_loads(await self._get_json(worker, worker.load_endpoint))
+            worker.view = worker.view.reported(load=load)
         except aiohttp.ClientResponseError as exc:
             if exc.status == 404:  # older SGLang: only /get_load; newer: only /v1/loads
                 worker.load_endpoint = "/get_load" if worker.load_endpoint == "/v1/loads" else None

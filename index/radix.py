@@ -79,7 +79,7 @@ class RadixIndex:
         self._tenant_units: dict[str, int] = {}
         self.evicted_units = 0
         self._last_key: tuple | None = None
-        self._wanted_of: list[WorkerView] = []  # the workers the last match was for
+        self._wanted_of: list[str] = []  # the urls the last match was for
         self._wanted: set[str] = set()  # and their urls
 
     # -- keys ---------------------------------------------------------------------------
@@ -124,8 +124,9 @@ class RadixIndex:
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         key, skip, unit = self._key(request)
         result = IndexMatch(len(key) - skip, unit)
-        if workers != self._wanted_of:  # usually the same worker objects: compared by identity, in C
-            self._wanted_of, self._wanted = list(workers), set(map(_url, workers))
+        urls = list(map(_url, workers))  # views are replaced as in-flight counts move: urls stay
+        if urls != self._wanted_of:  # usually the same urls: compared by identity first, in C
+            self._wanted_of, self._wanted = urls, set(urls)
         wanted = self._wanted
         hits = result.hits
         # Tenants only shrink going down a path, so the deepest node holding a tenant is

@@ -5,12 +5,21 @@ The gateway builds these; an index or a policy only reads them. ``WorkerView`` i
 snapshot at routing time and ``RequestView`` what may be known of a request before it is
 sent (token ids only where the client sent them or the gateway holds the engine's
 tokenizer).
+
+What changes is replaced, never mutated. ``WorkerView`` is frozen: the gateway's registry
+holds each worker's current view and replaces it when its health, models, in-flight count,
+load or server_info change; every decision is given the current views. So a view a policy
+kept (from a hook, from an earlier decision) is what the worker was then, and a policy that
+keeps figures per worker keys them by ``url``, not by view. The gateway replaces a
+``RequestView`` where its hold state (``may_hold``, ``held_s``) changes between decisions
+(``holding``) and changes none it has handed out; it is not frozen only because a frozen
+dataclass's ``__init__`` costs four times as much, on every request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from wire.hashing import uint32_le
@@ -31,9 +40,9 @@ class EngineLoad:
         return self.used_tokens / self.max_tokens if self.max_tokens else 0.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class WorkerView:
-    """A read-only snapshot of one worker, as the gateway sees it at routing time."""
+    """A snapshot of one worker, as the gateway sees it at routing time (frozen: see the module)."""
 
     url: str
     role: str = "unified"  # unified | prefill | decode
@@ -44,17 +53,30 @@ class WorkerView:
     bootstrap_port: int | None = None
     server_info: Mapping[str, Any] = field(default_factory=dict)
 
-    # Bumped whenever any view's ``load`` or ``server_info`` is replaced, so a policy that
-    # keeps figures per worker (``policies.fleet_backlog``) learns in one read that no
-    # report changed since it last looked, instead of reading every worker's on every
-    # decision. Changes made inside either object are not counted: the gateway's poller
-    # replaces them whole.
+    # The reports contract. ``reports`` counts the views built by ``reported``, the one way
+    # to replace a worker's view with a new ``load`` or ``server_info`` (the gateway's
+    # registry uses nothing else; its replacements for health, models and in-flight counts
+    # keep both objects and count nothing). So a policy that keeps figures per worker
+    # (``policies.fleet_backlog``) learns in one read that no report changed since it last
+    # looked: while ``WorkerView.reports`` is unchanged, every worker's current view carries
+    # the same ``load`` and ``server_info`` objects as the one it read them from. Views built
+    # from scratch (a new worker, tests) are new urls or a new list to such a policy; a caller
+    # that replaces a report any other way breaks the contract. Neither object is changed
+    # inside: a poll builds a new ``EngineLoad``, discovery a new dict.
     reports: ClassVar[int] = 0
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name == "load" or name == "server_info":
-            WorkerView.reports += 1
+    def reported(self, **reports: Any) -> WorkerView:
+        """This view with a new ``load`` and/or ``server_info``, counted in ``reports``."""
+        if not reports.keys() <= {"load", "server_info"}:
+            raise TypeError(f"reported() takes load and server_info, not {sorted(reports)}")
+        WorkerView.reports += 1
+        return replace(self, **reports)
+
+    def with_in_flight(self, in_flight: int) -> WorkerView:
+        """This view with another in-flight count, twice a request (``dataclasses.replace``
+        costs ~2.5x as much; tests/test_gateway_attempts.py holds it to every field)."""
+        return WorkerView(self.url, self.role, self.models, self.healthy, in_flight, self.load,
+                          self.bootstrap_port, self.server_info)
 
     @property
     def host(self) -> str:
@@ -66,7 +88,9 @@ class WorkerView:
 @dataclass(slots=True)
 class RequestView:
     """What a policy may know about a request. Token ids are present only when the client
-    sent ``input_ids`` or the gateway was given the engine's tokenizer."""
+    sent ``input_ids`` or the gateway was given the engine's tokenizer. Never changed once
+    handed out (see the module), but for ``packed_ids``, which ``packed`` may fill in once:
+    a memo of a pure function of ``token_ids``, carried into the views that replace this one."""
 
     request_id: str
     route: str
@@ -87,6 +111,13 @@ class RequestView:
     may_hold: bool = False  # the gateway accepts ``Hold`` for this decision
     held_s: float = 0.0  # how long the gateway has held this request so far
 
+    def holding(self, may_hold: bool, held_s: float) -> RequestView:
+        """This request with a new hold state (``dataclasses.replace`` costs ~7x as much,
+        twice a request; tests/test_gateway_attempts.py holds it to every field)."""
+        return RequestView(self.request_id, self.route, self.model, self.text, self.token_ids, self.packed_ids,
+                           self.session_key, self.stream, self.max_tokens, self.cache_salt, self.headers,
+                           may_hold, held_s)
+
     def packed(self) -> bytes | None:
         """``token_ids`` as uint32 little-endian (None if some id is no uint32): ``packed_ids``
         where they are these ids, else packed now and left there. A request the gateway holds
@@ -97,7 +128,7 @@ class RequestView:
         packed = self.packed_ids
         if packed is None or len(packed) != 4 * len(tokens):
             try:
-                packed = self.packed_ids = uint32_le(tokens)
+                packed = self.packed_ids = uint32_le(tokens)  # the memo: see the class
             except (OverflowError, TypeError):
                 return None
         return packed

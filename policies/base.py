@@ -7,10 +7,21 @@ says it ``may_hold``: the gateway then keeps the request and asks again when a r
 request reaches its first token or finishes (the moments a worker's queue or KV memory
 frees), or after ``Hold.retry_s``. Everything a policy learns about the world comes through these calls,
 so a policy is testable as a pure function over snapshots and swappable at runtime.
+
+In PD mode a request needs a prefill and a decode worker. The gateway has a prefill policy
+and a decode policy (``--prefill-policy``, ``--decode-policy``; prefill defaults to the main
+policy, decode to ``least_load``). It asks the prefill policy's ``select_pair`` for both
+when that policy serves decode too or overrides ``select_pair`` (it prices the two legs as
+one decision, as ``pd_cost`` does, whatever the decode policy is); otherwise each leg is
+chosen by its own policy (``select_each``), as the default ``select_pair`` does with one.
+
+Views are snapshots, never changed once given (``index.views``): a worker's view is
+replaced when its state moves, and each call gets the current ones.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,7 +30,7 @@ from index.views import EngineLoad, Outcome, RequestView, WorkerView
 from wire.options import NoOptions, OptionError, opt, parse_options
 
 __all__ = ["Choice", "EngineLoad", "Hold", "NoOptions", "NoWorkerAvailable", "OptionError", "Outcome", "Policy",
-           "RequestView", "WorkerView", "opt", "require_workers"]
+           "RequestView", "WorkerView", "opt", "require_workers", "select_each", "selects_pairs"]
 
 
 @dataclass(slots=True)
@@ -77,6 +88,18 @@ class Policy:
         """The worker for this request; ``Hold`` only when ``request.may_hold``."""
         raise NotImplementedError
 
+    def select_pair(self, request: RequestView, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView]
+                    ) -> tuple[Choice, Choice] | Hold | Awaitable[tuple[Choice, Choice] | Hold]:
+        """A (prefill, decode) pair for one PD request, or ``Hold`` (only when
+        ``request.may_hold``; nothing is booked then, and the whole pair is decided again).
+
+        The default is two ``select`` calls (``select_each`` with this policy for both legs):
+        the prefill first, its ``Hold`` answered as is, then the decode on the request as not
+        ``may_hold`` (the prefill is chosen: the decode must follow). Raises
+        ``NoWorkerAvailable`` as ``select`` does. Override it to price both legs together;
+        the gateway then asks this policy for every pair (see the module)."""
+        return select_each(self, self, request, prefills, decodes)
+
     # Lifecycle hooks: the defaults do nothing, so simple policies stay simple.
     def on_routed(self, request: RequestView, worker: WorkerView) -> None: ...
 
@@ -104,3 +127,26 @@ class Policy:
 def require_workers(workers: Sequence[WorkerView]) -> None:
     if not workers:
         raise NoWorkerAvailable("no healthy worker can serve this request")
+
+
+def selects_pairs(prefill: Policy, decode: Policy) -> bool:
+    """Whether the gateway asks ``prefill.select_pair`` for both legs: when one policy serves
+    both, or when the prefill policy prices pairs itself (overrides ``select_pair``)."""
+    return prefill is decode or type(prefill).select_pair is not Policy.select_pair
+
+
+async def select_each(prefill: Policy, decode: Policy, request: RequestView, prefills: Sequence[WorkerView],
+                      decodes: Sequence[WorkerView]) -> tuple[Choice, Choice] | Hold:
+    """The prefill leg by ``prefill.select``, then the decode leg by ``decode.select`` (plain
+    or async, either). A prefill ``Hold`` is the answer; the decode is asked with
+    ``may_hold`` false, and a ``Hold`` from it is returned in the pair's second place for
+    the caller to refuse (a plugin bug, not a decision)."""
+    p: Any = prefill.select(request, prefills)
+    if type(p) is not Choice and inspect.isawaitable(p):
+        p = await p
+    if isinstance(p, Hold):  # nothing is booked yet: the decode leg is chosen with it later
+        return p
+    d: Any = decode.select(request.holding(False, request.held_s) if request.may_hold else request, decodes)
+    if type(d) is not Choice and inspect.isawaitable(d):
+        d = await d
+    return p, d

@@ -91,7 +91,7 @@ class CacheAware(Policy):
         self.verifier = make_verifier(self.name, o)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
-        self._positions_of: tuple[list[WorkerView], dict[str, int]] = ([], {})
+        self._positions_of: tuple[list[str], dict[str, int]] = ([], {})
 
     def build_index(self) -> tuple[PrefixIndex, TreeBudget | None]:
         """The index this policy matches on, from its options (``self.opts``)."""
@@ -100,9 +100,11 @@ class CacheAware(Policy):
     # -- decision -----------------------------------------------------------------------
     def _positions(self, workers: Sequence[WorkerView]) -> dict[str, int]:
         """url -> place in ``workers`` (the first, if listed twice), kept while the list
-        holds the same worker objects (compared by identity, in C)."""
-        if workers != self._positions_of[0]:
-            self._positions_of = (list(workers), {w.url: i for i, w in reversed(list(enumerate(workers)))})
+        names the same urls in the same order (views are replaced as in-flight counts move,
+        so their identity changes from one decision to the next; urls compare in C)."""
+        urls = list(map(_url, workers))
+        if urls != self._positions_of[0]:
+            self._positions_of = (urls, {url: i for i, url in reversed(list(enumerate(urls)))})
         return self._positions_of[1]
 
     def _least_loaded(self, workers: Sequence[WorkerView], loads: list[int], lo: int) -> WorkerView:

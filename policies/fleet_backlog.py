@@ -17,8 +17,8 @@ routing: the report counts requests queued before it, and the drift would otherw
 every row on every decision.
 
 A decision reads the workers' reports only when some view's was replaced since the last
-(``WorkerView.reports``), to find which: the poller replaces a few a second, decisions come
-hundreds of times as often. With a gateway's traffic between decisions the saving shrinks
+(``WorkerView.reports``, contract in ``index.views``), to find which: the poller replaces
+a few a second, decisions come hundreds of times as often. With a gateway's traffic between decisions the saving shrinks
 (bench/RESULTS.md, "Routing decision cost"): a decision recomputes the rows its traffic
 changed.
 """
@@ -34,6 +34,7 @@ from operator import attrgetter, is_not
 from policies.base import EngineLoad, WorkerView
 
 _load = attrgetter("load")
+_url = attrgetter("url")
 _INF = float("inf")
 _NO_INFO: Mapping = {}
 
@@ -123,23 +124,26 @@ class FleetBacklog:
 
     def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
         """The rows of ``workers``, current as of ``now``."""
-        views = workers if type(workers) is list else list(workers)
+        # A fleet is the list of urls: the gateway replaces a worker's view whenever its
+        # in-flight count moves, so the views differ from one decision to the next while
+        # the rows stay right (bookings come through ``touch``, reports are counted).
+        urls = list(map(_url, workers))
         fleets = self._fleets
-        if fleets and fleets[0].views == views:  # the same objects: compared by identity, in C
+        if fleets and fleets[0].urls == urls:  # strings, compared by identity first, in C
             fleet: Fleet | None = fleets[0]
         else:
-            fleet = next((f for f in fleets if f.views == views), None)
+            fleet = next((f for f in fleets if f.urls == urls), None)
             if fleet is not None:  # most recently used first
                 fleets.remove(fleet)
                 fleets.insert(0, fleet)
         if fleet is None or now < fleet.now:  # a new list, or a clock that went back
             if fleet is not None:
                 self._fleets.remove(fleet)
-            fleet = self._build(list(views))  # a copy: the caller may reuse its list
+            fleet = self._build(list(workers))  # a copy: the caller may reuse its list
             self._fleets.insert(0, fleet)
             del self._fleets[self.max_fleets:]
         else:
-            # ``views`` equals ``fleet.views`` (by value where they are not the same objects)
+            fleet.views = list(workers)  # the current views: rows read their reports there
             if fleet.reports != WorkerView.reports:  # some report was replaced (or views not counted: -1)
                 if fleet.reports >= 0:
                     fleet.reports = WorkerView.reports

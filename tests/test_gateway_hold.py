@@ -274,13 +274,13 @@ def test_retries_that_find_no_room_back_off():
         proxy = Proxy(None, policy, None, GatewayMetrics(), max_retries=0, max_hold_s=1.5)  # type: ignore[arg-type]
         view = RequestView("r", "/generate", text="hello")
 
-        async def decide():
+        async def decide(asked: RequestView):  # the view as the hold loop replaced it
             nonlocal decisions
             decisions += 1
-            return policy.select(view, [worker])
+            return policy.select(asked, [worker])
 
         t0 = time.monotonic()
-        choice = await proxy.choose(view, decide, first=True)
+        choice, _ = await proxy.attempts.choose(view, decide, first=True)
         assert choice.worker is worker
         return decisions, time.monotonic() - t0
 

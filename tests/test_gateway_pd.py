@@ -151,6 +151,7 @@ def test_transfer_failures_are_retried_and_everyone_else_succeeds(procs):
     failed = sum(metric_value(get_text(p) , "sglang:num_transfer_failed_reqs_total")
                  for p in [u + "/metrics" for u, _ in prefills] + [d.url + "/metrics" for d in decodes])
     assert failed >= 1  # the fault really fired, and the gateway hid it
+    assert metric_value(get_text(gw.url + "/metrics"), "kvgate_retries_total") >= 1  # by trying another pair
 
 
 def test_hanging_decode_times_out_with_504_and_aborts_prefill(procs):

@@ -27,23 +27,20 @@ def test_round_robin_cycles_through_every_worker():
 
 
 def test_least_load_picks_fewest_in_flight():
-    ws = workers(3)
-    ws[0].in_flight, ws[1].in_flight, ws[2].in_flight = 5, 1, 3
+    ws = [WorkerView(url=f"http://w{i}:1", in_flight=n) for i, n in enumerate((5, 1, 3))]
     assert load_policy("least_load").select(req(), ws).worker is ws[1]
 
 
 def test_power_of_two_never_picks_the_busier_of_its_pair():
     ws = workers(2)
-    ws[0].load = EngineLoad(running=10, waiting=5)
+    ws[0] = ws[0].reported(load=EngineLoad(running=10, waiting=5))
     policy = load_policy("power_of_two", seed=1)
     assert {policy.select(req(), ws).worker.url for _ in range(20)} == {ws[1].url}
 
 
 def test_power_of_two_counts_in_flight_booked_since_the_last_load_report():
-    ws = workers(2)
-    ws[0].load = EngineLoad(running=0)
-    ws[1].load = EngineLoad(running=2)
-    ws[0].in_flight = 6
+    ws = [WorkerView(url="http://w0:1", load=EngineLoad(running=0), in_flight=6),
+          WorkerView(url="http://w1:1", load=EngineLoad(running=2))]
     assert load_policy("power_of_two", seed=3).select(req(), ws).worker is ws[1]
 
 

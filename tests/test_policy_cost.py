@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -679,6 +679,13 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
     avg_at: dict = {}
     live: list[tuple[RequestView, WorkerView]] = []
     standing = list(fleet)
+    current = {v.url: v for v in fleet}
+
+    def replaced(old, **report) -> None:
+        """A new report, as the gateway's registry gives one: the view replaced (and counted
+        in ``WorkerView.reports`` where it is one)."""
+        new = old.reported(**report) if isinstance(old, WorkerView) else replace(old, **report)
+        fleet[fleet.index(old)] = current[old.url] = new
     size = st.integers(1, 2000)
     import policies.cost as cost_module
 
@@ -704,15 +711,15 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                     policy.on_complete(r, at, Outcome(ok=True, completion_tokens=data.draw(st.integers(0, 500))))
             elif op == "poll":
                 age = data.draw(st.sampled_from([0.0, 0.01]) | st.floats(0, 0.5), label="poll age")
-                w.load = None if data.draw(st.integers(0, 5)) == 0 else EngineLoad(
+                replaced(w, load=None if data.draw(st.integers(0, 5)) == 0 else EngineLoad(
                     running=data.draw(st.integers(0, 9)), waiting=data.draw(st.integers(0, 6)),
                     used_tokens=data.draw(st.integers(0, 3000)), max_tokens=data.draw(st.sampled_from([0, 2500, 3000])),
-                    timestamp=clock.now - age - step * 1e-6)
+                    timestamp=clock.now - age - step * 1e-6))
             elif op == "info":
-                w.server_info = {"max_total_num_tokens": data.draw(st.sampled_from([0, 1500, 3000]))}
+                replaced(w, server_info={"max_total_num_tokens": data.draw(st.sampled_from([0, 1500, 3000]))})
             elif op == "remove":  # the worker leaves (its bookings are forgotten) and comes back
                 policy.on_worker_removed(w)
-                live = [(r, at) for r, at in live if at is not w]
+                live = [(r, at) for r, at in live if at.url != w.url]
             else:
                 dt = data.draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, -0.2]) | st.floats(0, 1), label="time passes")
                 # Back, too (a clock the test steps), but never before a report was taken.
@@ -720,6 +727,7 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                 chosen = data.draw(st.permutations(fleet), label="order")[:data.draw(st.integers(1, n))]
                 if data.draw(st.booleans(), label="the last list, reordered in place"):
                     chosen = standing
+                    chosen[:] = [current[v.url] for v in chosen]  # a caller passes the current views
                     chosen.reverse()
                 standing = chosen
                 if data.draw(st.integers(0, 9), label="a worker listed twice") == 0:
@@ -761,12 +769,11 @@ def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch)
         return b.bases
 
     fits = decide()
-    w.server_info = {"max_total_num_tokens": 1000}  # the worker came back with a smaller pool
+    w = w.reported(server_info={"max_total_num_tokens": 1000})  # the worker came back with a smaller pool
     assert decide()[0] > fits[0] + 1.0  # it now waits for the booked request's KV
-    w.server_info = {"max_total_num_tokens": 1400}  # 1200 booked + 250 for the probe: 50 short
+    w = w.reported(server_info={"max_total_num_tokens": 1400})  # 1200 booked + 250 for the probe: 50 short
     assert decide()[0] > fits[0] + 1.0
-    w.server_info = {"max_total_num_tokens": 3000}
-    w.load = EngineLoad(waiting=4, timestamp=clock.now)
+    w = w.reported(server_info={"max_total_num_tokens": 3000}, load=EngineLoad(waiting=4, timestamp=clock.now))
     policy.ledger.avg_uncached = 2_500.0  # 10k tokens reported queued: 2 s at 5k tokens/s
     draining = decide()[0]
     clock.now += 10.0

@@ -190,12 +190,13 @@ class Script:
 
     def reports(self) -> None:
         rng, now = self.rng, self.clock.now
-        for w in self.workers:
+        for i, w in enumerate(self.workers):
             if w.url.endswith("5") or rng.random() < 0.5:  # one never reports: server_info capacity
                 continue
             cap = w.server_info.get("max_total_num_tokens", 0)
-            w.load = EngineLoad(running=rng.randrange(0, 12), waiting=rng.choice([0, 0, 0, 1, 3]),
-                                used_tokens=rng.randrange(0, cap + 1), max_tokens=cap, timestamp=now)
+            self.workers[i] = w.reported(load=EngineLoad(  # replaced, as the gateway's poller does
+                running=rng.randrange(0, 12), waiting=rng.choice([0, 0, 0, 1, 3]),
+                used_tokens=rng.randrange(0, cap + 1), max_tokens=cap, timestamp=now))
 
     def run(self, decisions: int, gap: float) -> None:
         rng = self.rng

@@ -383,7 +383,7 @@ def test_server_info_that_arrives_after_the_worker_is_picked_up():
         policy.on_worker_added(worker)
         try:
             assert policy.stats()["kv_subscribers"] == 0
-            worker.server_info = engine.server_info()  # the gateway's discovery caught up
+            worker = worker.reported(server_info=engine.server_info())  # the gateway's discovery caught up
             policy.select(req([1] * 8, "x"), [worker])
             await engine.wait_subscriber()
             await engine.send(stored(A))

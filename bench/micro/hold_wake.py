@@ -1,7 +1,7 @@
 """What late binding costs the gateway when many requests are held.
 
 Held requests are decided again when the fleet changes: a routed request's first token or
-its end (``gateway.hold``). This drives the gateway's own hold path (``Proxy.choose`` and
+its end (``gateway.hold``). This drives the gateway's own hold path (``Attempts.choose`` and
 its ``HoldRoom``, no HTTP) with the real ``cost`` policy over a saturated fleet: ``--held``
 requests wait while every worker has more than ``hold_wait_s`` of prefill booked, and each
 event is one routed request's first token, which frees its prefill on its worker (so one
@@ -53,12 +53,12 @@ async def scenario(held: int, workers: int, events: int, wake: int) -> dict[str,
     left: list[int] = []  # held requests in the order they went to a worker, by arrival
 
     async def route(view: RequestView, index: int) -> None:
-        async def decide():
+        async def decide(asked: RequestView):  # the view as the hold loop replaced it
             nonlocal decisions
             decisions += 1
-            return policy.select(view, fleet)
+            return policy.select(asked, fleet)
 
-        choice = await proxy.choose(view, decide, first=True)
+        choice, view = await proxy.attempts.choose(view, decide, first=True)
         assert isinstance(choice, Choice)
         policy.on_routed(view, choice.worker)
         routed.append(view)
@@ -87,7 +87,7 @@ async def scenario(held: int, workers: int, events: int, wake: int) -> dict[str,
     for _ in range(events):
         done = routed.pop(0)  # the oldest routed request reaches its first token
         policy.on_first_token(done, fleet[0])
-        proxy.freed()
+        proxy.attempts.freed()
         await settle()
         for _ in range(held):  # steady state: a new request is held for each that left
             if proxy.holds.held >= held:
