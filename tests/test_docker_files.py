@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from engine_patches.launch import build_command, build_parser
-from tests.support import ROOT, Proc, free_port
+from tests.support import FREE_PORT, ROOT, Proc, fill_ports, launch
 
 DOCKER = ROOT / "docker"
 VALIDATORS_MISSING = 3  # validate.sh's exit status when a tool is not installed
@@ -129,17 +129,22 @@ def test_mooncake_master_command_starts_the_real_binary():
         pytest.skip("mooncake_master not installed (pip install mooncake-transfer-engine-non-cuda)")
     svc = load("compose.gpu.yml")["services"]["mooncake-master"]
     assert svc["entrypoint"] == ["mooncake_master"]
-    rpc, http = free_port(), free_port()
-    local = {"--rpc_address": "127.0.0.1", "--rpc_port": str(rpc),
-             "--http_metadata_server_host": "127.0.0.1", "--http_metadata_server_port": str(http)}
+    # The compose file's own flags, with every port (the metrics one too, 9003 by default) free on loopback.
+    local = {"--rpc_address": "127.0.0.1", "--rpc_port": FREE_PORT, "--http_metadata_server_host": "127.0.0.1",
+             "--http_metadata_server_port": FREE_PORT}
     argv = []
     for arg in command(svc):
         key, _, value = arg.partition("=")
         argv.append(f"{key}={local.get(key, value)}")
     assert set(local) <= {a.split("=")[0] for a in argv}
-    proc = Proc([exe, *argv], name="mooncake-master")
-    try:
-        # The HTTP metadata server answers 404 for an unknown key once it is up.
-        proc.wait_http(f"http://127.0.0.1:{http}/metadata?key=kvgate-probe", timeout=20, ok=(200, 404))
-    finally:
-        proc.stop()
+    argv += ["--metrics_host=127.0.0.1", f"--metrics_port={FREE_PORT}"]
+
+    def start() -> Proc:
+        args, ports = fill_ports([exe, *argv])
+        proc = Proc(args, name="mooncake-master")
+        proc.url = f"http://127.0.0.1:{ports[1]}"  # rpc, http metadata, metrics
+        return proc
+
+    # The HTTP metadata server answers 404 for an unknown key once it is up.
+    proc = launch(start, lambda p: p.wait_http(p.url + "/metadata?key=kvgate-probe", timeout=20, ok=(200, 404)))
+    proc.stop()

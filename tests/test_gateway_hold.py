@@ -156,13 +156,13 @@ def test_pd_pairs_are_held_and_chosen_together(plugin_env):
     """In PD mode the prefill policy holds; the pair is chosen when it lets go."""
     pytest.importorskip("mooncake.engine", reason="PD needs the Mooncake transfer engine (pip extra 'mooncake')")
     from tests.conftest import _start_gateway, _start_sim
-    from tests.support import free_port
+    from tests.support import FREE_PORT
 
     procs: list = []
     try:
-        port = free_port()
         prefill = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "prefill",
-                             "--disaggregation-bootstrap-port", str(port), name="prefill")
+                             "--disaggregation-bootstrap-port", FREE_PORT, name="prefill")
+        port = prefill.ports[0]
         decode = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "decode", name="decode")
         gw = _start_gateway(procs, args=("--pd-disaggregation", "--prefill", prefill.url, str(port),
                                          "--decode", decode.url, "--policy", "hold_plugins:AlwaysHold",

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import zmq
 
-from tests.sim_support import sim_worker
-from tests.support import free_port
+from tests.sim_support import join_kv_events, sim_worker
+from tests.support import FREE_PORT
 from wire.hashing import page_hashes
 from wire.kv_events import AllBlocksCleared, BlockStored, decode_batch, pack_seq, unpack_seq
 
@@ -38,19 +38,18 @@ def _collect(sub: zmq.Socket, want, timeout: float = 5.0) -> list:
 
 @pytest.mark.parametrize("version,legacy", [("0.5.23", False), ("0.5.19", True)])
 def test_hash_vector_and_replay(version, legacy):
-    pub, replay = free_port(), free_port()
-    cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv",
-                      "replay_endpoint": f"tcp://*:{replay}"})
+    cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{FREE_PORT}", "topic": "kv",
+                      "replay_endpoint": f"tcp://*:{FREE_PORT}"})
     with sim_worker("--page-size", "2", "--time-scale", "50", "--kv-events-config", cfg,
-                    "--sglang-version", version) as (url, _):
+                    "--sglang-version", version) as (url, proc):
         info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=5).read())
-        assert info["kv_events"]["endpoint"] == f"tcp://*:{pub}"
+        assert info["kv_events"]["endpoint"] == f"tcp://*:{proc.ports[0]}"
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(info["kv_events"]["endpoint"].replace("*", "127.0.0.1"))
         try:
-            time.sleep(0.3)  # PUB/SUB slow joiner
+            joined_at = join_kv_events(sub, url)
             _post(url + "/generate", {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 1}})
 
             def stored(fs):
@@ -61,7 +60,7 @@ def test_hash_vector_and_replay(version, legacy):
             frames = _collect(sub, stored)
             assert frames and stored(frames), frames
             assert all(f[0] == b"kv" and len(f[1]) == 8 for f in frames)
-            assert unpack_seq(frames[0][1]) == 0
+            assert [unpack_seq(f[1]) for f in frames] == list(range(joined_at + 1, joined_at + 1 + len(frames)))
             raw = msgspec.msgpack.decode(frames[0][2])
             assert isinstance(raw[1][0], list if legacy else dict)  # event encoding follows the version
             events = [e for f in frames for e in decode_batch(f[2]).events]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 import urllib.request
 
 import pytest
 
-from tests.support import Proc, free_port
+from tests.support import FREE_PORT, Proc, serve
 from wire.hashing import digest_to_int64, page_digests, page_hashes
 
 pytest.importorskip("mooncake.store", reason="mooncake (pip install mooncake-transfer-engine-non-cuda) does not import")
@@ -77,6 +78,20 @@ def master():
         yield m
 
 
+@pytest.mark.parametrize("port", ["http_port", "metrics_port"])
+def test_master_picks_new_ports_when_one_is_taken(port):
+    """A port picked free can be bound by another process before the master binds it."""
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        m = MooncakeMaster()
+        setattr(m, port, squatter.getsockname()[1])
+        with m:
+            assert getattr(m, port) != squatter.getsockname()[1] and m.popen.poll() is None
+
+
 def test_pages_put_get_and_shared_between_clients(master):
     cfg = StoreConfig.from_extra_config(master.extra_config("16mb"))
     a, b = PageStore(cfg, page_bytes=PAGE * 512), PageStore(cfg, page_bytes=PAGE * 512)
@@ -116,12 +131,9 @@ def test_prefetch_policies_credit_what_was_loaded():
 
 
 def _gateway(*worker_urls: str) -> Proc:
-    port = free_port()
-    gw = Proc.python("gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-                     "--health-check-interval-secs", "0.3", "--policy", "round_robin", name="gateway")
-    gw.url = f"http://127.0.0.1:{port}"
-    gw.wait_http(gw.url + "/readiness", timeout=30)
-    return gw
+    return serve([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", FREE_PORT, "--worker-urls",
+                  *worker_urls, "--health-check-interval-secs", "0.3", "--policy", "round_robin"], "/readiness",
+                 name="gateway", timeout=30)
 
 
 def _wait_ready(gw: Proc, timeout: float = 15.0) -> None:
@@ -211,12 +223,11 @@ def test_pages_the_pool_lost_are_retracted():
 
 
 def test_kvgate_up_pd_pool_serves():
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = Proc.python("gateway.cli", "up", "--pd", "--pool", "--prefill-workers", "1", "--decode-workers", "1",
-                       "--port", str(port), "--profile", "tiny-test", "--time-scale", "4", name="kvgate-up")
+    proc = serve([sys.executable, "-m", "gateway.cli", "up", "--pd", "--pool", "--prefill-workers", "1",
+                  "--decode-workers", "1", "--port", FREE_PORT, "--profile", "tiny-test", "--time-scale", "4"],
+                 "/readiness", name="kvgate-up")
+    base = proc.url
     try:
-        proc.wait_http(base + "/readiness", timeout=60)
         out = _post(base + "/generate", {"text": _prompt(3, 600), "sampling_params": {"max_new_tokens": 8}})
         assert out["meta_info"]["completion_tokens"] == 8
     finally:
