@@ -17,13 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator.tiny_tokenizer import BOS, TEMPLATES, build
+from tests.requires import need
 from tests.sim_support import sim_worker
 from tests.support import (FREE_PORT, assert_predicted_exactly, converse, get_text, metric_value, policy_stats, serve,
                            request_json)
 from wire.chat_template import detect_content_format, normalize_messages, sglang_tools
 from wire.tokenizer import HFTokenizer, load_tokenizer
 
-pytest.importorskip("tokenizers")
+need("tokenizers", "pip extra 'test'")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _reference(path: Path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "pip extra 'test'")
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 

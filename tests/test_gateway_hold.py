@@ -13,6 +13,7 @@ import urllib.parse
 import pytest
 
 from tests.conftest import MODEL
+from tests.requires import need
 from tests.support import ROOT, get_text, metric_value, request_json
 
 PLUGIN = textwrap.dedent('''
@@ -154,7 +155,7 @@ def test_a_policy_that_holds_when_told_not_to_gets_a_clear_error(start_sim, star
 
 def test_pd_pairs_are_held_and_chosen_together(plugin_env):
     """In PD mode the prefill policy holds; the pair is chosen when it lets go."""
-    pytest.importorskip("mooncake.engine", reason="PD needs the Mooncake transfer engine (pip extra 'mooncake')")
+    need("mooncake.engine", "the Mooncake transfer engine, pip extra 'mooncake'")
     from tests.conftest import _start_gateway, _start_sim
     from tests.support import FREE_PORT
 

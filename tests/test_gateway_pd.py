@@ -13,10 +13,11 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, _start_gateway, _start_sim
+from tests.requires import need
 from tests.support import FREE_PORT, get_text, metric_value, request_json
 from tests.test_gateway_faults import _stream
 
-pytest.importorskip("mooncake.engine", reason="PD tests need the Mooncake transfer engine (pip extra 'mooncake')")
+need("mooncake.engine", "the Mooncake transfer engine, pip extra 'mooncake'")
 
 
 def pd_args(prefills, decodes) -> tuple[str, ...]:

@@ -14,8 +14,6 @@ import pytest
 from tests.support import (FREE_PORT, assert_predicted_exactly, converse, get_text, metric_value, policy_stats,
                            request_json, serve)
 
-pytest.importorskip("simulator.cluster")
-pytest.importorskip("gateway.cli")
 
 
 def _up(*args: str) -> list[str]:

@@ -12,9 +12,10 @@ import urllib.request
 
 import pytest
 
+from tests.requires import need
 from tests.support import request_json
 
-pytest.importorskip("mooncake.engine", reason="Mooncake transfer engine not importable")
+need("mooncake.engine", "the Mooncake transfer engine, pip extra 'mooncake'")
 
 from simulator.cluster import SimCluster  # noqa: E402
 

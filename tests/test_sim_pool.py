@@ -12,11 +12,12 @@ import urllib.request
 
 import pytest
 
+from tests.requires import missing, need
 from tests.support import FREE_PORT, Proc, serve
 from wire.hashing import digest_to_int64, page_digests, page_hashes
 
-pytest.importorskip("mooncake.store", reason="mooncake (pip install mooncake-transfer-engine-non-cuda) does not import")
-zmq = pytest.importorskip("zmq")
+need("mooncake.store", "pip install mooncake-transfer-engine-non-cuda")
+zmq = need("zmq")
 
 from simulator.cluster import SimCluster  # noqa: E402
 from simulator.pool_master import MooncakeMaster, master_binary  # noqa: E402
@@ -25,7 +26,7 @@ from simulator.pool_tier import Prefetch  # noqa: E402
 from wire.kv_events import BlockRemoved, BlockStored, decode_batch  # noqa: E402
 
 if master_binary() is None:
-    pytest.skip("mooncake_master binary not found", allow_module_level=True)
+    missing("mooncake_master binary not found (pip install mooncake-transfer-engine-non-cuda)")
 
 PAGE = 64
 ENGINE = ("--profile", "tiny-test", "--time-scale", "4", "--page-size", str(PAGE), "--hicache-ratio", "1",

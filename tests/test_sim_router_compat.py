@@ -9,7 +9,9 @@ import urllib.request
 import openai
 import pytest
 
-pytest.importorskip("sglang_router", reason="sglang-router not installed")
+from tests.requires import need
+
+need("sglang_router", "pip extra 'test'")
 
 from simulator.cluster import SimCluster  # noqa: E402
 from tests.support import FREE_PORT, Proc, serve  # noqa: E402
