@@ -108,3 +108,68 @@ def test_hash_vector_and_replay(version, legacy):
         finally:
             sub.close(0)
             ctx.term()
+
+
+def test_the_gateway_feed_replays_what_it_missed_from_the_simulators_router():
+    """The gateway's KV-event feed against a simulated engine's real PUB and ROUTER: it
+    subscribes after the first prompts were served (late join: replayed from seq 0), then
+    loses one message on the wire (a gap: replayed strictly from the ROUTER), and ends with
+    an index that predicts exactly what the engine reports cached for every prompt."""
+    import asyncio
+
+    from policies.base import RequestView, WorkerView
+    from policies.kv_events import KvEvents
+
+    cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{FREE_PORT}", "topic": "kv",
+                      "replay_endpoint": f"tcp://*:{FREE_PORT}"})
+    # 3 whole pages and a partial one (an engine recomputes a prompt's last token), nothing shared
+    prompts = [[100 + k] * 12 + [7] * (1 + k % 3) for k in range(12)]
+
+    def serve_prompt(url: str, tokens: list[int]) -> int:
+        out = _post(url + "/generate", {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1}})
+        return out["meta_info"]["cached_tokens"]
+
+    async def main(url: str) -> None:
+        info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=5).read())
+        worker = WorkerView(url, server_info=info)
+        sent = prompts[:2]
+        for tokens in sent:  # before anyone subscribes: only the replay buffer has these
+            await asyncio.to_thread(serve_prompt, url, tokens)
+        policy = KvEvents(speculative_ttl_s=0)
+        policy.on_worker_added(worker)
+        await policy.start()
+        feed, dropped = policy.feed, []
+        real_receive = feed._receive
+
+        async def lossy(pub, seq, payload, expected, pace):
+            if feed.counters["messages"] >= 1 and not dropped:
+                dropped.append(seq)  # lost on the wire: never applied, the next one shows the gap
+                return expected
+            return await real_receive(pub, seq, payload, expected, pace)
+
+        feed._receive = lossy
+
+        def predicted(tokens: list[int]) -> int:
+            return policy.index.precise.match(RequestView("p", "/generate", token_ids=tokens), [worker]).get(url).total
+
+        try:
+            for tokens in prompts[2:]:  # until the subscription joined, one message was lost and replayed
+                sent.append(tokens)
+                await asyncio.to_thread(serve_prompt, url, tokens)
+                if feed.counters["gaps"]:
+                    break
+                await asyncio.sleep(0.05)
+            deadline = time.monotonic() + 10
+            while predicted(sent[-1]) == 0:  # events arrive in order: all before it are in too
+                assert time.monotonic() < deadline, feed.counters
+                await asyncio.sleep(0.02)
+            c = feed.counters
+            assert dropped and c["gaps"] == 1 and c["unrecoverable"] == 0 and c["replayed"] >= 3, c
+            expected = [predicted(tokens) for tokens in sent]
+            engine = [await asyncio.to_thread(serve_prompt, url, tokens) for tokens in sent]
+            assert expected == engine and all(engine), (expected, engine)
+        finally:
+            await policy.stop()
+
+    with sim_worker("--page-size", "4", "--time-scale", "50", "--kv-events-config", cfg) as (url, _):
+        asyncio.run(main(url))
