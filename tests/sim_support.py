@@ -33,22 +33,25 @@ def sim_worker(*args: str, name: str = "sim", timeout: float = 30.0) -> Iterator
         proc.stop()
 
 
-def join_kv_events(sub, url: str, timeout: float = 10.0) -> int:
+def join_kv_events(sub, url: str, timeout: float = 10.0, **fields: object) -> int:
     """Wait until the SUB socket ``sub`` receives ``url``'s KV events (a ZMQ subscription
     joins a moment after connect, and a batch published before is not delivered).
 
-    Posts one prompt of new pages at a time to ``url`` until a batch arrives, drains what
-    arrived and returns the last seq seen (at most ``timeout`` seconds, then it fails)."""
+    Posts one prompt of new pages at a time to ``url`` (``fields`` added to each body, e.g.
+    ``routed_dp_rank``) until a batch arrives, drains what arrived and returns the last seq
+    seen (at most ``timeout`` seconds, then it fails)."""
     import json
     import time
     import urllib.request
 
     from wire.kv_events import unpack_seq
 
+    with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
+        page = int(json.loads(r.read()).get("page_size") or 1)
     deadline = time.monotonic() + timeout
     for i in range(1000):
         assert time.monotonic() < deadline, f"no KV event from {url} within {timeout}s"
-        body = {"input_ids": [60000 + i] * 8, "sampling_params": {"max_new_tokens": 1}}
+        body = {"input_ids": [30000 + i] * (2 * page + 1), "sampling_params": {"max_new_tokens": 1}, **fields}
         req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=10).close()
         if sub.poll(200):

@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from tests.requires import missing, need
+from tests.sim_support import join_kv_events
 from tests.support import FREE_PORT, Proc, serve
 from wire.hashing import digest_to_int64, page_digests, page_hashes
 
@@ -48,13 +49,13 @@ def _prompt(seed: int, n: int) -> str:
 class EventTap:
     """A SUB socket on one worker's KV-event publisher, connected before the traffic."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, worker_url: str) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)
         self.events: list = []
-        time.sleep(0.3)  # ZMQ slow joiner: let the subscription reach the publisher
+        join_kv_events(self.sub, worker_url)  # subscribed: the warm-up prompts' events are dropped
 
     def drain(self, until, timeout: float = 10.0) -> list:
         deadline = time.monotonic() + timeout
@@ -156,7 +157,7 @@ def test_pool_hit_on_another_worker_through_the_gateway():
     prompt = _prompt(1, 3000)
     with SimCluster(workers=2, engine_args=ENGINE, pool=True, pool_segment="32mb") as cluster:
         a, b = cluster.urls
-        tap_a, tap_b = EventTap(cluster.kv_event_endpoints[a]), EventTap(cluster.kv_event_endpoints[b])
+        tap_a, tap_b = EventTap(cluster.kv_event_endpoints[a], a), EventTap(cluster.kv_event_endpoints[b], b)
         gw = _gateway(a)
         try:
             out = _post(gw.url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 4}})
@@ -197,7 +198,7 @@ def test_pages_the_pool_lost_are_retracted():
     hashes = [digest_to_int64(d) for d in digests]
     with SimCluster(workers=2, engine_args=ENGINE, pool=True, pool_segment="32mb") as cluster:
         a, b = cluster.urls
-        tap_b = EventTap(cluster.kv_event_endpoints[b])
+        tap_b = EventTap(cluster.kv_event_endpoints[b], b)
         store = PageStore(StoreConfig.from_extra_config(cluster.master.extra_config("16mb")), PAGE * 1024)
         store.connect()
         try:
