@@ -7,7 +7,6 @@ import sys
 import urllib.request
 
 import openai
-import pytest
 
 from tests.requires import need
 
