@@ -13,10 +13,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from simulator.cluster import _Worker
+from simulator.cluster import _Worker, bind_failed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,23 +63,42 @@ class Service(_Worker):
             raise
 
 
+def start_service(make_args: Callable[[int], list[str]], log_path: Path, path: str, tries: int = 3) -> Service:
+    """``make_args(port)`` started on a freshly picked port and ready at ``path``; a process
+    that exits because another one took a port it was given (HTTP or ZMQ) is started
+    again on new ports, at most ``tries`` times."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            return Service(make_args(port), log_path, f"http://127.0.0.1:{port}").wait_ready(path)
+        except RuntimeError as exc:
+            if attempt + 1 == tries or not bind_failed(str(exc)):
+                raise
+    raise AssertionError("unreachable")
+
+
 def start_kvgate(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path,
                  tokenizer: str | None = "byte") -> Service:
-    port = free_port()
-    args = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy, "--log-level", os.environ.get("KVGATE_BENCH_LOG_LEVEL", "warning"), "--worker-urls", *worker_urls]
-    if tokenizer:
-        args += ["--tokenizer", tokenizer]
-    for k, v in options.items():
-        args += ["--policy-option", f"{k}={v}"]
-    return Service(args, log_path, f"http://127.0.0.1:{port}").wait_ready("/readiness")
+    def make_args(port: int) -> list[str]:
+        args = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--policy", policy, "--log-level", os.environ.get("KVGATE_BENCH_LOG_LEVEL", "warning"),
+                "--worker-urls", *worker_urls]
+        if tokenizer:
+            args += ["--tokenizer", tokenizer]
+        for k, v in options.items():
+            args += ["--policy-option", f"{k}={v}"]
+        return args
+
+    return start_service(make_args, log_path, "/readiness")
 
 
 def start_sglang_router(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path) -> Service:
-    port = free_port()
-    args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn",
-            "--worker-urls", *worker_urls]
-    for k, v in options.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    return Service(args, log_path, f"http://127.0.0.1:{port}").wait_ready("/health")
+    def make_args(port: int) -> list[str]:
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn",
+                "--worker-urls", *worker_urls]
+        for k, v in options.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        return args
+
+    return start_service(make_args, log_path, "/health")

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -239,24 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-growth-mb", type=float, default=64.0, help="allowed RSS growth over the warm baseline")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from simulator.cluster import SimCluster, _free_port
+    from bench.services import start_service
+    from simulator.cluster import SimCluster
 
     clients = int(args.workers * WORKER_SLOTS * args.load)
     with SimCluster(workers=args.workers, engine_args=list(ENGINE_ARGS)) as cluster:
-        port = _free_port("127.0.0.1")
-        url = f"http://127.0.0.1:{port}"
         log = tempfile.NamedTemporaryFile(prefix="kvgate-soak-gateway-", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        gw = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-                               "--worker-urls", *cluster.urls, *gateway_args(args.workers)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        service = start_service(lambda port: [
+            sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *cluster.urls, *gateway_args(args.workers)], Path(log.name), "/readiness", tries=3)
+        gw, url = service.popen, service.url
         try:
-            for _ in range(300):
-                try:
-                    urllib.request.urlopen(url + "/readiness", timeout=1).close()
-                    break
-                except OSError:
-                    time.sleep(0.1)
             asyncio.run(drive(url, 3, clients, seed=1))  # warm: pools, caches, lazy imports
             base, _ = settled(gw.pid, url, cluster.urls, snapshot(gw.pid, url, cluster.urls), 10**6, 5)
             print(f"machine: {os.uname().nodename} cpus={os.cpu_count()}  workers={args.workers} clients={clients}")
@@ -278,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             print("PASS" if not problems and not tally.bad else "FAIL: " + "; ".join(problems))
             return 0 if not problems and not tally.bad else 1
         finally:
-            gw.terminate()
-            gw.wait(30)
+            service.stop(30)
 
 
 if __name__ == "__main__":

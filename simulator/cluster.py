@@ -55,6 +55,16 @@ def _free_run(host: str, n: int) -> int:
     raise RuntimeError(f"no run of {n} free ports on {host}")
 
 
+# How aiohttp/asyncio ("[Errno 98] ... address already in use"), ZMQ ("Address already in
+# use (addr=...)") and Mooncake report a port that another process bound first.
+_BIND_ERRORS = ("address already in use", "eaddrinuse", "errno 98", "failed to bind")
+
+
+def bind_failed(output: str) -> bool:
+    low = output.lower()
+    return any(marker in low for marker in _BIND_ERRORS)
+
+
 def _dp_size(args: Sequence[str]) -> int:
     for i, a in enumerate(args):
         if a == "--dp-size" and i + 1 < len(args):
@@ -211,7 +221,7 @@ class SimCluster:
             for w in list(pending):
                 if w.popen.poll() is not None:
                     tail = w.tail()
-                    error = _PortTaken if "address already in use" in tail else RuntimeError
+                    error = _PortTaken if bind_failed(tail) else RuntimeError
                     raise error(f"simulated worker {w.url} exited with {w.popen.returncode}:\n{tail}")
                 if _status(w.url + "/health") == 200:
                     pending.remove(w)

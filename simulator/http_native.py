@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ from .item_stream import merged
 from .metrics import CONTENT_TYPE
 from .protocol import GenerateReqInput
 from .runner import Progress, collect
+
+log = logging.getLogger("simulator")
 
 _gen_decoder = msgspec.json.Decoder(GenerateReqInput)
 _any_decoder = msgspec.json.Decoder()
@@ -270,7 +273,9 @@ async def abort_request(request: web.Request) -> web.Response:
     if body.get("abort_all"):
         engine.abort(None, "Abort all requests")
     elif body.get("rid"):
-        engine.abort(body["rid"], "Abort request")
+        found = engine.abort(body["rid"], "Abort request")
+        engine.metrics.abort_requests.labels(str(found > 0).lower()).inc()
+        log.info("abort_request rid=%s found=%d", body["rid"], found)
     return web.Response(status=200)
 
 

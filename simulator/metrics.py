@@ -56,6 +56,9 @@ class Metrics:
         self.num_requests = c("num_requests", "Number of requests processed.").labels(**self.labels)
         self.num_aborted = c("num_aborted_requests", "Number of aborted requests.").labels(**self.labels)
         self.transfer_failed = c("num_transfer_failed_reqs", "Failed KV transfers.").labels(**self.labels)
+        # Not an SGLang metric: lets a test see which /abort_request calls a router made.
+        self.abort_requests = Counter("kvgate_sim_abort_requests", "/abort_request calls by rid, and whether one "
+                                      "was found (queued, running or waiting for its KV).", ["found"], registry=r)
         self.ttft = h("time_to_first_token_seconds", "Time to first token.", _LAT_BUCKETS).labels(**self.labels)
         self.itl = h("inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS).labels(**self.labels)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", _LAT_BUCKETS).labels(**self.labels)

@@ -17,11 +17,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from .cluster import bind_failed
+
 
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class _PortTaken(RuntimeError):
+    """The master could not bind a port picked for it: another process took it meanwhile."""
 
 
 def master_binary() -> str | None:
@@ -54,7 +60,19 @@ class MooncakeMaster:
         return {"master_server_address": self.master_address, "metadata_server": self.metadata_url,
                 "global_segment_size": global_segment_size, "protocol": "tcp", "device_name": ""}
 
-    def start(self, timeout: float = 20.0) -> MooncakeMaster:
+    def start(self, timeout: float = 20.0, tries: int = 3) -> MooncakeMaster:
+        """Start the master; when it exits because a picked port was taken meanwhile (it
+        says "Address already in use" or "Failed to start ... server"), pick new ports."""
+        for attempt in range(tries):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if attempt + 1 == tries:
+                    raise
+                self.rpc_port, self.http_port, self.metrics_port = (_free_port(self.host) for _ in range(3))
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> MooncakeMaster:
         binary = master_binary()
         if binary is None:
             raise FileNotFoundError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
@@ -67,7 +85,10 @@ class MooncakeMaster:
         deadline = time.monotonic() + timeout
         while not (self._listening(self.rpc_port) and self._listening(self.http_port)):
             if self.popen.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.popen.returncode}:\n{self.tail()}")
+                tail, code = self.tail(), self.popen.returncode
+                self.stop()
+                error = _PortTaken if bind_failed(tail) or "failed to start" in tail.lower() else RuntimeError
+                raise error(f"mooncake_master exited with {code}:\n{tail}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"mooncake_master not listening after {timeout}s:\n{self.tail()}")

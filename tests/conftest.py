@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.sim_support import spawn_sim
-from tests.support import Proc, free_port
+from tests.support import Proc, free_port, launch
 
 MODEL = "sim-llama-8b"
 
@@ -18,15 +18,22 @@ def _start_sim(procs: list, *args: str, name: str = "sim") -> Proc:
 
 def _start_gateway(procs: list, *worker_urls: str, args: tuple[str, ...] = (), ready: bool = True,
                    env: dict[str, str] | None = None) -> Proc:
-    port = free_port()
     workers = ["--worker-urls", *worker_urls] if worker_urls else []
-    proc = Proc.python("gateway", "serve", "--host", "127.0.0.1", "--port", str(port), *workers,
-                       "--health-check-interval-secs", "0.5", *args, name="gateway", **(env or {}))
+
+    def start() -> Proc:
+        port = free_port()
+        proc = Proc.python("gateway", "serve", "--host", "127.0.0.1", "--port", str(port), *workers,
+                           "--health-check-interval-secs", "0.5", *args, name="gateway", **(env or {}))
+        proc.url = f"http://127.0.0.1:{port}"
+        return proc
+
+    def wait(proc: Proc) -> None:
+        proc.wait_http(proc.url + "/health", timeout=30)
+        if ready:
+            proc.wait_http(proc.url + "/readiness", timeout=30)
+
+    proc = launch(start, wait)
     procs.append(proc)
-    proc.url = f"http://127.0.0.1:{port}"
-    proc.wait_http(proc.url + "/health", timeout=30)
-    if ready:
-        proc.wait_http(proc.url + "/readiness", timeout=30)
     return proc
 
 

@@ -16,6 +16,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +27,40 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# How aiohttp/asyncio ("[Errno 98] ... address already in use"), ZMQ ("Address already in
+# use (addr=...)") and Mooncake report a port that something else bound first.
+BIND_ERRORS = ("address already in use", "eaddrinuse", "errno 98", "failed to bind",
+               "failed to start http metadata server")
+
+FREE_PORT = "<free-port>"  # in a launch argument: replaced by a port picked for that try
+
+
+def bind_failed(output: str) -> bool:
+    low = output.lower()
+    return any(marker in low for marker in BIND_ERRORS)
+
+
+@contextmanager
+def refused_address() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` where connects are refused for as long as this is held:
+    the port is bound (so nothing else can take it) but never listening."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def fill_ports(args: list[str]) -> tuple[list[str], list[int]]:
+    """``args`` with every ``FREE_PORT`` replaced by a freshly picked port, and those ports in order."""
+    ports: list[int] = []
+    out = []
+    for arg in args:
+        while FREE_PORT in arg:
+            ports.append(free_port())
+            arg = arg.replace(FREE_PORT, str(ports[-1]), 1)
+        out.append(arg)
+    return out, ports
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -43,6 +79,12 @@ def http_status(url: str, timeout: float = 1.0) -> int | None:
         return e.code
     except (OSError, urllib.error.URLError):
         return None
+
+
+class ProcExited(RuntimeError):
+    def __init__(self, proc: "Proc") -> None:
+        super().__init__(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.output()[-4000:]}")
+        self.proc = proc
 
 
 class Proc:
@@ -68,8 +110,10 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.output()[-4000:]}")
+                raise ProcExited(self)
             if http_status(url) in ok:
+                if self.popen.poll() is not None:  # another process answered on the port we picked
+                    raise ProcExited(self)
                 return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout}s:\n{self.output()[-4000:]}")
@@ -91,6 +135,37 @@ class Proc:
                 self.popen.wait(5)
         self.log.close()
         return self.popen.returncode
+
+
+def launch(start: Callable[[], Proc], ready: Callable[[Proc], object], tries: int = 4) -> Proc:
+    """``start()`` a process on freshly picked ports and wait until ``ready(proc)``.
+
+    A port picked by ``free_port`` can be taken by another process before the child binds
+    it; the child then exits with a bind error (HTTP or ZMQ), and is started again on new
+    ports, at most ``tries`` times. Any other failure stops the process and is raised."""
+    for attempt in range(tries):
+        proc = start()
+        try:
+            ready(proc)
+            return proc
+        except BaseException as exc:
+            proc.stop()
+            if not (isinstance(exc, ProcExited) and bind_failed(proc.output()) and attempt + 1 < tries):
+                raise
+    raise AssertionError("unreachable")
+
+
+def serve(argv: list[str], path: str, name: str, timeout: float = 60.0, ok: tuple[int, ...] = (200,)) -> Proc:
+    """Start the command line ``argv``, whose first ``FREE_PORT`` is the HTTP port where
+    ``path`` must answer (``proc.url``; all picked ports in ``proc.ports``), through ``launch``."""
+
+    def start() -> Proc:
+        args, ports = fill_ports(argv)
+        proc = Proc(args, name=name)
+        proc.url, proc.ports = f"http://127.0.0.1:{ports[0]}", ports
+        return proc
+
+    return launch(start, lambda proc: proc.wait_http(proc.url + path, timeout=timeout, ok=ok))
 
 
 def request_json(method: str, url: str, body: object | None = None, headers: dict[str, str] | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator.tiny_tokenizer import BOS, TEMPLATES, build
+from tests.requires import need
 from tests.sim_support import sim_worker
-from tests.support import (Proc, assert_predicted_exactly, converse, free_port, get_text, metric_value, policy_stats,
+from tests.support import (FREE_PORT, assert_predicted_exactly, converse, get_text, metric_value, policy_stats, serve,
                            request_json)
 from wire.chat_template import detect_content_format, normalize_messages, sglang_tools
 from wire.tokenizer import HFTokenizer, load_tokenizer
 
-pytest.importorskip("tokenizers")
+need("tokenizers", "pip extra 'test'")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _reference(path: Path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "pip extra 'test'")
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
@@ -150,12 +152,11 @@ def test_gateway_and_engines_with_a_bpe_model_agree_on_every_cached_token(models
     """``kvgate up --tokenizer DIR``: the simulated engines tokenize with the same model
     directory, BOS on text prompts and the chat template's own tokens on chats; the
     precise index's predictions must equal the cached tokens the engines report."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), "--kv-events", "--policy", policy,
-                       "--tokenizer", str(models["chatml"]), "--tokenize-inline-chars", "1000", name="kvgate-up")
+    proc = serve([sys.executable, "-m", "gateway.cli", "up", "--workers", "3", "--port", FREE_PORT, "--kv-events",
+                  "--policy", policy, "--tokenizer", str(models["chatml"]), "--tokenize-inline-chars", "1000"],
+                 "/v1/models", name="kvgate-up")
+    base = proc.url
     try:
-        proc.wait_http(base + "/v1/models", timeout=60)
         model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
         cached = converse(base, model, conversations=2, turns=3, system_words=60, as_parts=True,
                           chat_template_kwargs={"enable_thinking": False})
@@ -216,13 +217,11 @@ def test_the_gateway_asks_each_worker_whether_it_tokenizes_the_same(models, gate
     """A gateway given the wrong tokenizer learns it when the worker joins, not from the
     hit statistics after traffic: ``/workers`` and a metric say so per worker and form."""
     with sim_worker("--tokenizer", str(models["chatml"])) as (url, _):  # its template renders tools
-        port = free_port()
         tok = str(models["chatml"]) if gateway_tokenizer == "model" else "byte"
-        gw = Proc.python("gateway", "serve", "--port", str(port), "--policy", "kv_events", "--tokenizer", tok,
-                         "--worker-urls", url, name="gateway")
+        gw = serve([sys.executable, "-m", "gateway", "serve", "--port", FREE_PORT, "--policy", "kv_events",
+                    "--tokenizer", tok, "--worker-urls", url], "/readiness", name="gateway", timeout=30)
         try:
-            base = f"http://127.0.0.1:{port}"
-            gw.wait_http(base + "/readiness", timeout=30)
+            base = gw.url
             assert _tokenizer_match(base) == {"text": same, "chat": same, "tools": same}
             metrics = get_text(base + "/metrics")
             for kind in ("text", "chat", "tools"):
@@ -269,15 +268,12 @@ def test_tools_reach_the_template_as_sglang_serializes_them(keys, values, outer_
 def test_a_worker_without_tokenize_is_not_judged(models):
     """An engine that predates ``/v1/tokenize`` (here the bench's stub backend) cannot be
     asked: the check records nothing, exports nothing and warns of nothing."""
-    stub_port, port = free_port(), free_port()
-    stub = Proc.python("bench.stub_backend", "--port", str(stub_port), name="stub")
+    stub = serve([sys.executable, "-m", "bench.stub_backend", "--port", FREE_PORT], "/health", name="stub", timeout=30)
     gw = None
     try:
-        stub.wait_http(f"http://127.0.0.1:{stub_port}/health", timeout=30)
-        gw = Proc.python("gateway", "serve", "--port", str(port), "--policy", "kv_events", "--tokenizer",
-                         str(models["llama3"]), "--worker-urls", f"http://127.0.0.1:{stub_port}", name="gateway")
-        base = f"http://127.0.0.1:{port}"
-        gw.wait_http(base + "/readiness", timeout=30)
+        gw = serve([sys.executable, "-m", "gateway", "serve", "--port", FREE_PORT, "--policy", "kv_events", "--tokenizer",
+                    str(models["llama3"]), "--worker-urls", stub.url], "/readiness", name="gateway", timeout=30)
+        base = gw.url
         assert _tokenizer_match(base) == {}
         assert "kvgate_worker_tokenizer_match{" not in get_text(base + "/metrics")
         assert "differently" not in gw.output()

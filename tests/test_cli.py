@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tests.support import Proc, free_port, request_json
+from tests.support import FREE_PORT, Proc, request_json, serve
 
 
 @pytest.mark.parametrize("extra", [(), ("--pd", "--prefill-workers", "1", "--decode-workers", "1")])
 def test_kvgate_up_serves_chat_on_simulated_workers(extra):
-    port = free_port()
-    proc = Proc.python("gateway", "up", "--port", str(port), "--workers", "2", "--time-scale", "20", *extra, name="up")
+    proc = serve([sys.executable, "-m", "gateway", "up", "--port", FREE_PORT, "--workers", "2", "--time-scale", "20",
+                  *extra], "/readiness", name="up")
     try:
-        url = f"http://127.0.0.1:{port}"
-        proc.wait_http(url + "/readiness", timeout=60)
+        url = proc.url
         models = request_json("GET", url + "/v1/models")[1]["data"]
         status, data = request_json("POST", url + "/v1/chat/completions", {
             "model": models[0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from engine_patches.launch import build_command, build_parser
-from tests.support import ROOT, Proc, free_port
+from tests.requires import missing
+from tests.support import FREE_PORT, ROOT, Proc, fill_ports, launch
 
 DOCKER = ROOT / "docker"
 VALIDATORS_MISSING = 3  # validate.sh's exit status when a tool is not installed
@@ -30,7 +31,7 @@ def run_validate(folder: Path) -> subprocess.CompletedProcess:
                          timeout=120, env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
                                            "PYTHON": sys.executable})
     if out.returncode == VALIDATORS_MISSING:
-        pytest.skip(out.stderr.strip() + ' (pip install -e ".[docker]")')
+        missing(out.stderr.strip() + ' (pip install -e ".[docker]")')
     return out
 
 
@@ -100,7 +101,7 @@ def test_gpu_engines_are_valid_launcher_invocations():
 
 
 def test_gateway_commands_parse_with_the_gateway_cli():
-    cli = pytest.importorskip("gateway.cli", reason="gateway/ is not in this tree")
+    import gateway.cli as cli
     for name in ("compose.gpu.yml", "compose.sim.yml"):
         gw = load(name)["services"]["kvgate"]
         args = cli.build_parser().parse_args(command(gw))
@@ -111,7 +112,7 @@ def test_gateway_commands_parse_with_the_gateway_cli():
 
 
 def test_sim_workers_parse_with_the_simulator_cli():
-    config = pytest.importorskip("simulator.config", reason="simulator/ is not in this tree")
+    import simulator.config as config
     services = load("compose.sim.yml")["services"]
     for name, svc in services.items():
         if name == "kvgate":
@@ -126,20 +127,25 @@ def test_sim_workers_parse_with_the_simulator_cli():
 def test_mooncake_master_command_starts_the_real_binary():
     exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which("mooncake_master")
     if not exe:
-        pytest.skip("mooncake_master not installed (pip install mooncake-transfer-engine-non-cuda)")
+        missing("mooncake_master not installed (pip install mooncake-transfer-engine-non-cuda)")
     svc = load("compose.gpu.yml")["services"]["mooncake-master"]
     assert svc["entrypoint"] == ["mooncake_master"]
-    rpc, http = free_port(), free_port()
-    local = {"--rpc_address": "127.0.0.1", "--rpc_port": str(rpc),
-             "--http_metadata_server_host": "127.0.0.1", "--http_metadata_server_port": str(http)}
+    # The compose file's own flags, with every port (the metrics one too, 9003 by default) free on loopback.
+    local = {"--rpc_address": "127.0.0.1", "--rpc_port": FREE_PORT, "--http_metadata_server_host": "127.0.0.1",
+             "--http_metadata_server_port": FREE_PORT}
     argv = []
     for arg in command(svc):
         key, _, value = arg.partition("=")
         argv.append(f"{key}={local.get(key, value)}")
     assert set(local) <= {a.split("=")[0] for a in argv}
-    proc = Proc([exe, *argv], name="mooncake-master")
-    try:
-        # The HTTP metadata server answers 404 for an unknown key once it is up.
-        proc.wait_http(f"http://127.0.0.1:{http}/metadata?key=kvgate-probe", timeout=20, ok=(200, 404))
-    finally:
-        proc.stop()
+    argv += ["--metrics_host=127.0.0.1", f"--metrics_port={FREE_PORT}"]
+
+    def start() -> Proc:
+        args, ports = fill_ports([exe, *argv])
+        proc = Proc(args, name="mooncake-master")
+        proc.url = f"http://127.0.0.1:{ports[1]}"  # rpc, http metadata, metrics
+        return proc
+
+    # The HTTP metadata server answers 404 for an unknown key once it is up.
+    proc = launch(start, lambda p: p.wait_http(p.url + "/metadata?key=kvgate-probe", timeout=20, ok=(200, 404)))
+    proc.stop()

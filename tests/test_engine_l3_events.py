@@ -21,7 +21,7 @@ import zmq
 
 from engine_patches import l3_events
 from tests.sglang_cpu import child_pythonpath, require
-from tests.support import ROOT, child_env, free_port
+from tests.support import ROOT, child_env
 from wire.hashing import page_hashes
 from wire.kv_events import BlockRemoved, BlockStored, decode_batch, unpack_seq
 
@@ -48,13 +48,21 @@ def sgl():
 @pytest.fixture(scope="module")
 def subscriber(sgl):
     _, kv, _, _ = sgl
-    port = free_port()
-    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "bind": True, "topic": "kv"}
+    # ZMQ picks the port at bind time ("*"), so no other process can take it first.
+    config = {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "bind": True, "topic": "kv"}
     publisher = kv.EventPublisherFactory.create(json.dumps(config), 0)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    time.sleep(0.3)  # PUB/SUB join; nothing is published before the first test
+    sub.connect(publisher.describe_local_source(PAGE)["endpoint"])
+    # The subscription joins a moment after connect: empty batches until one arrives, then drained.
+    for _ in range(50):
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[]))
+        if sub.poll(200):
+            break
+    else:
+        raise AssertionError("the SUB socket never received the publisher's batches")
+    while sub.poll(300):
+        assert decode_batch(sub.recv_multipart()[2]).events == []
     yield sub
     sub.close(linger=0)
     publisher.shutdown()

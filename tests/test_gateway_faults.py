@@ -11,7 +11,7 @@ import time
 import aiohttp
 
 from tests.conftest import MODEL
-from tests.support import free_port, get_text, metric_value, request_json
+from tests.support import get_text, metric_value, refused_address, request_json
 
 
 def chat(url: str, content: str = "hi", max_tokens: int = 4, **extra) -> tuple[int, object]:
@@ -49,10 +49,10 @@ def test_failing_worker_is_retried_past_and_its_circuit_opens(start_sim, start_g
 
 def test_unreachable_worker_is_marked_unhealthy_and_skipped(start_sim, start_gateway):
     good = start_sim("--time-scale", "20")
-    dead = f"http://127.0.0.1:{free_port()}"
-    gw = start_gateway(dead, good.url)
-    assert all(chat(gw.url, f"q{i}")[0] == 200 for i in range(6))
-    state = workers(gw.url)
+    with refused_address() as dead:
+        gw = start_gateway(dead, good.url)
+        assert all(chat(gw.url, f"q{i}")[0] == 200 for i in range(6))
+        state = workers(gw.url)
     assert state[dead]["healthy"] is False and state[good.url]["healthy"] is True
 
 

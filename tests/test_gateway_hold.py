@@ -3,16 +3,18 @@ worker can start it (real gateway, real simulated workers, real HTTP on 127.0.0.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import textwrap
-import threading
 import time
 import urllib.parse
 
+import aiohttp
 import pytest
 
 from tests.conftest import MODEL
+from tests.requires import need
 from tests.support import ROOT, get_text, metric_value, request_json
 
 PLUGIN = textwrap.dedent('''
@@ -63,47 +65,62 @@ def _complete(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> No
 
 def test_cost_holds_a_request_that_does_not_fit_until_memory_frees(start_sim, start_gateway):
     """Two prompts that do not both fit in the worker's KV pool: the second is held at the
-    gateway (not queued in the engine) and sent as soon as the first finishes."""
-    sim = start_sim("--time-scale", "10", "--max-total-tokens", "6000")
+    gateway (not queued in the engine) and sent as soon as the first ends."""
+    sim = start_sim("--time-scale", "1", "--max-total-tokens", "6000")
     gw = start_gateway(sim.url, args=("--policy", "cost", "--tokenizer", "byte", "--max-hold-secs", "20",
                                       "--policy-option", "hold_wait_s=0.05"))
-    out = _two_in_a_row(gw.url)
-    assert out["a"][0] == 200 and out["b"][0] == 200, out
+    out = _held_until_the_first_ends(gw.url)
+    assert out["b"] == 200, out
     metrics = get_text(gw.url + "/metrics")
     assert metric_value(metrics, "kvgate_held_total") == 1
     held_s = metric_value(metrics, "kvgate_hold_seconds_sum")
-    # Released by the first request's completion (~200 tokens at time-scale 10), long before the cap.
-    assert 0.05 < held_s < 10, held_s
+    assert 0 < held_s < 15, held_s  # released by the first one's end, long before the 20 s cap
     assert metric_value(metrics, "kvgate_held_requests") == 0
     assert metric_value(metrics, "kvgate_policy_stat", stat="booked_kv_tokens") == 0
 
 
-def _two_in_a_row(gw_url: str) -> dict:
-    """A long request, and a short one sent once the first is routed."""
-    out: dict = {}
-    first = threading.Thread(target=_complete, args=(gw_url, "a" * 3500, 200, out, "a"))
-    first.start()
-    deadline = time.monotonic() + 10
-    while metric_value(get_text(gw_url + "/metrics"), "kvgate_routed_total") < 1:
-        assert time.monotonic() < deadline, "the first request was never routed"
-        time.sleep(0.02)
-    _complete(gw_url, "b" * 3500, 20, out, "b")
-    first.join(30)
-    return out
+def _held_until_the_first_ends(gw_url: str) -> dict:
+    """A long streamed request "a" (~20 s of decoding at time-scale 1), and "b" sent once "a"
+    streams. Once the gateway holds "b" (waited for, never timed: however slow the machine,
+    "a" is still running), "a"'s client goes away, which ends "a" at once and must wake "b"."""
+
+    async def main() -> dict:
+        out: dict = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            a = await s.post(gw_url + "/v1/completions", json={
+                "model": MODEL, "prompt": "a" * 3500, "max_tokens": 2000, "ignore_eos": True, "stream": True})
+            assert a.status == 200 and await a.content.readany()  # routed and running
+            b = asyncio.create_task(s.post(gw_url + "/v1/completions", json={
+                "model": MODEL, "prompt": "b" * 3500, "max_tokens": 20, "ignore_eos": True}))
+            deadline = time.monotonic() + 10
+            while True:
+                async with s.get(gw_url + "/metrics") as m:
+                    if metric_value(await m.text(), "kvgate_held_requests") >= 1:
+                        break
+                assert not b.done() and time.monotonic() < deadline, "the second request was never held"
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            a.close()
+            resp = await b
+            out["b"], out["b_s"] = resp.status, time.monotonic() - t0
+            resp.release()
+        return out
+
+    return asyncio.run(main())
 
 
 def test_a_finished_request_wakes_the_held_ones(start_sim, start_gateway, plugin_env):
     """The held request asks to be retried in 60 s and may be held 20 s: only the first
-    request's completion can release it sooner."""
-    sim = start_sim("--time-scale", "10")
+    request's end can release it sooner."""
+    sim = start_sim("--time-scale", "1")
     gw = start_gateway(sim.url, args=("--policy", "hold_plugins:OneAtATime", "--max-hold-secs", "20"),
                        env=plugin_env)
-    out = _two_in_a_row(gw.url)
-    assert out["a"][0] == 200 and out["b"][0] == 200, out
+    out = _held_until_the_first_ends(gw.url)
+    assert out["b"] == 200, out
     metrics = get_text(gw.url + "/metrics")
     assert metric_value(metrics, "kvgate_held_total") == 1
-    assert 0.0 < metric_value(metrics, "kvgate_hold_seconds_sum") < 10
-    assert out["b_s"] < 10, out
+    assert 0.0 < metric_value(metrics, "kvgate_hold_seconds_sum") < 15
+    assert out["b_s"] < 15, out  # woken by the first one's end, not by the 20 s cap or the 60 s retry
 
 
 def test_a_hold_ends_at_max_hold_secs_and_the_policy_must_choose(start_sim, start_gateway, plugin_env):
@@ -154,15 +171,15 @@ def test_a_policy_that_holds_when_told_not_to_gets_a_clear_error(start_sim, star
 
 def test_pd_pairs_are_held_and_chosen_together(plugin_env):
     """In PD mode the prefill policy holds; the pair is chosen when it lets go."""
-    pytest.importorskip("mooncake.engine", reason="PD needs the Mooncake transfer engine (pip extra 'mooncake')")
+    need("mooncake.engine", "the Mooncake transfer engine, pip extra 'mooncake'")
     from tests.conftest import _start_gateway, _start_sim
-    from tests.support import free_port
+    from tests.support import FREE_PORT
 
     procs: list = []
     try:
-        port = free_port()
         prefill = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "prefill",
-                             "--disaggregation-bootstrap-port", str(port), name="prefill")
+                             "--disaggregation-bootstrap-port", FREE_PORT, name="prefill")
+        port = prefill.ports[0]
         decode = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "decode", name="decode")
         gw = _start_gateway(procs, args=("--pd-disaggregation", "--prefill", prefill.url, str(port),
                                          "--decode", decode.url, "--policy", "hold_plugins:AlwaysHold",

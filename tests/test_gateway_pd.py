@@ -13,10 +13,11 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, _start_gateway, _start_sim
-from tests.support import free_port, get_text, metric_value, request_json
+from tests.requires import need
+from tests.support import FREE_PORT, get_text, metric_value, request_json
 from tests.test_gateway_faults import _stream
 
-pytest.importorskip("mooncake.engine", reason="PD tests need the Mooncake transfer engine (pip extra 'mooncake')")
+need("mooncake.engine", "the Mooncake transfer engine, pip extra 'mooncake'")
 
 
 def pd_args(prefills, decodes) -> tuple[str, ...]:
@@ -31,10 +32,9 @@ def pd_args(prefills, decodes) -> tuple[str, ...]:
 def start_pd(procs, n_prefill=2, n_decode=2, prefill_args=(), decode_args=(), gateway_args=()):
     prefills, decodes = [], []
     for i in range(n_prefill):
-        port = free_port()
         p = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "prefill",
-                       "--disaggregation-bootstrap-port", str(port), *prefill_args, name=f"prefill{i}")
-        prefills.append((p.url, port))
+                       "--disaggregation-bootstrap-port", FREE_PORT, *prefill_args, name=f"prefill{i}")
+        prefills.append((p.url, p.ports[0]))
     for i in range(n_decode):
         d = _start_sim(procs, "--time-scale", "20", "--disaggregation-mode", "decode",
                        "--disaggregation-waiting-timeout", "60", *decode_args, name=f"decode{i}")
@@ -108,22 +108,37 @@ def test_batch_gets_one_room_per_item(pd_fleet):
     assert status == 200 and len(data) == 2
 
 
+def wait_for_abort(worker, rid: str, timeout: float = 10.0) -> None:
+    """Until ``worker`` (a simulator) has received ``/abort_request`` for ``rid``: its log
+    names the rid and its ``kvgate_sim_abort_requests_total`` counts the call."""
+    deadline = time.monotonic() + timeout
+    while f"abort_request rid={rid} " not in worker.output():
+        assert time.monotonic() < deadline, f"{worker.name} got no /abort_request for {rid}:\n{worker.output()[-2000:]}"
+        time.sleep(0.05)
+    assert metric_value(get_text(worker.url + "/metrics"), "kvgate_sim_abort_requests_total") >= 1
+
+
 def test_prefill_rejection_fails_fast_and_aborts_the_decode_leg(procs):
-    gw, _, decodes = start_pd(procs, 1, 1, prefill_args=("--context-length", "64"))
+    gw, prefills, decodes = start_pd(procs, 1, 1, prefill_args=("--context-length", "64"))
     started = time.monotonic()
     status, data = request_json("POST", gw.url + "/generate", {"text": "x" * 200, "sampling_params": {
-        "max_new_tokens": 4}})
-    elapsed = time.monotonic() - started
+        "max_new_tokens": 4}}, headers={"X-Request-ID": "prefill-fails"})
     assert status == 400 and "context length" in json.dumps(data)
-    assert elapsed < 5  # the decode leg would otherwise wait out its 60 s room timeout
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        m = get_text(decodes[0].url + "/metrics")
-        if metric_value(m, "sglang:num_decode_prealloc_queue_reqs") + metric_value(m, "sglang:num_running_reqs") == 0:
-            break
-        time.sleep(0.1)
-    assert metric_value(m, "sglang:num_decode_prealloc_queue_reqs") + metric_value(m, "sglang:num_running_reqs") == 0
+    assert time.monotonic() - started < 30  # the decode leg would otherwise wait out its 60 s room timeout
+    wait_for_abort(decodes[0], "prefill-fails-0")  # the gateway's rid: request id and attempt
+    deadline = time.monotonic() + 10
+    while metric_value(get_text(decodes[0].url + "/metrics"), "sglang:num_decode_transfer_queue_reqs"):
+        assert time.monotonic() < deadline, "the decode leg still waits for its KV"
+        time.sleep(0.05)
     assert request_json("POST", gw.url + "/generate", {"text": "short", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_decode_rejection_aborts_the_prefill_leg(procs):
+    gw, prefills, _ = start_pd(procs, 1, 1, decode_args=("--context-length", "64"))
+    status, data = request_json("POST", gw.url + "/generate", {"text": "y" * 200, "sampling_params": {
+        "max_new_tokens": 4}}, headers={"X-Request-ID": "decode-fails"})
+    assert status == 400 and "context length" in json.dumps(data)
+    wait_for_abort(next(p for p in procs if p.url == prefills[0][0]), "decode-fails-0")
 
 
 def test_decode_killed_mid_stream_ends_with_error_frame(procs):
@@ -154,13 +169,29 @@ def test_transfer_failures_are_retried_and_everyone_else_succeeds(procs):
     assert metric_value(get_text(gw.url + "/metrics"), "kvgate_retries_total") >= 1  # by trying another pair
 
 
-def test_hanging_decode_times_out_with_504_and_aborts_prefill(procs):
-    gw, _, _ = start_pd(procs, 1, 1, decode_args=("--fault-hang-rate", "1.0"),
-                        gateway_args=("--request-timeout-secs", "2", "--max-retries", "0"))
-    started = time.monotonic()
-    status, data = request_json("POST", gw.url + "/generate", {"text": "hang", "sampling_params": {"max_new_tokens": 2}})
+def test_hanging_decode_times_out_with_504_and_the_leg_still_waiting_is_aborted(procs):
+    """A hanging decode never asks prefill for the KV, so both legs hit the read timeout at
+    about the same moment: whichever the gateway sees fail first, the other is aborted."""
+    gw, prefills, decodes = start_pd(procs, 1, 1, decode_args=("--fault-hang-rate", "1.0"),
+                                     gateway_args=("--request-timeout-secs", "2", "--max-retries", "0"))
+    status, data = request_json("POST", gw.url + "/generate", {"text": "hang", "sampling_params": {"max_new_tokens": 2}},
+                                headers={"X-Request-ID": "decode-hangs"})
     assert status == 504 and data["error"]["code"] == "upstream_timeout"
-    assert time.monotonic() - started < 10
+    prefill = next(p for p in procs if p.url == prefills[0][0])
+    deadline = time.monotonic() + 10
+    while not any("abort_request rid=decode-hangs-0 " in w.output() for w in (prefill, decodes[0])):
+        assert time.monotonic() < deadline, "neither leg got /abort_request"
+        time.sleep(0.05)
+
+
+def test_decode_connection_lost_aborts_the_prefill_leg(procs):
+    gw, prefills, decodes = start_pd(procs, 1, 1, decode_args=("--fault-crash-after", "1"),
+                                     gateway_args=("--max-retries", "0"))
+    assert request_json("POST", gw.url + "/generate", {"text": "warm", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    status, _ = request_json("POST", gw.url + "/generate", {"text": "z" * 100, "sampling_params": {"max_new_tokens": 2}},
+                             headers={"X-Request-ID": "decode-crashes"})
+    assert status == 502 and decodes[0].popen.wait(10) == 17  # decode exited on arrival; prefill waited for it
+    wait_for_abort(next(p for p in procs if p.url == prefills[0][0]), "decode-crashes-0")
 
 
 def test_joint_pair_policy_serves_through_the_gateway(procs):

@@ -52,22 +52,26 @@ def test_hanging_worker_is_retried_before_first_byte_and_alone_gives_504(start_s
     assert metric_value(m, "kvgate_upstream_errors_total", worker=good.url) == 0
 
     alone = start_gateway(hang.url, args=("--request-timeout-secs", "1"))
-    started = time.monotonic()
     status, data = request_json("POST", alone.url + "/v1/chat/completions",
                                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
-    elapsed = time.monotonic() - started
     assert status == 504
     assert "within the request timeout" in assert_error(data, "timeout_error", "upstream_timeout")
-    assert elapsed < 2.5, elapsed  # one attempt: a worker that timed out is not asked again
+    m = get_text(alone.url + "/metrics")  # one attempt: a worker that timed out is not asked again
+    assert metric_value(m, "kvgate_upstream_errors_total", worker=hang.url) == 1
+    assert metric_value(m, "kvgate_retries_total") == 0
     hang.kill()  # its handlers never end, so a polite stop would wait for them
 
 
 def test_slow_worker_delays_only_its_own_requests(start_sim, start_gateway):
-    _, _, gw, results = sick_and_well(start_sim, start_gateway, ("--fault-latency-ms", "1500"),
-                                      ("--request-timeout-secs", "5"))
-    times = sorted(t for _, _, t in results)
-    assert times[3] < 1.0 and times[4] >= 1.5, times  # half waited for the slow worker, half did not
+    slow, well, gw, results = sick_and_well(start_sim, start_gateway, ("--fault-latency-ms", "3000"),
+                                            ("--request-timeout-secs", "20"))
     m = get_text(gw.url + "/metrics")
+    assert metric_value(m, "kvgate_routed_total", worker=slow.url) == metric_value(
+        m, "kvgate_routed_total", worker=well.url) == 4
+    times = sorted(t for _, _, t in results)
+    # Half waited for the slow worker's 3 s, half did not: a 4-token answer at time-scale 50
+    # takes a few ms, so "less than the injected delay alone" leaves a margin of hundreds.
+    assert times[4] >= 3.0 and times[3] < 3.0, times
     assert metric_value(m, "kvgate_upstream_errors_total") == 0 and metric_value(m, "kvgate_retries_total") == 0
 
 
@@ -101,15 +105,19 @@ def test_flapping_health_leaves_and_rejoins_rotation_without_client_errors(start
                                                      "--health-success-threshold", "2"))
     seen: list[bool] = []
     statuses: list[int] = []
-    deadline = time.monotonic() + 7.0
+    deadline = time.monotonic() + 30  # the flap takes ~4 s; a busy machine may take longer
+
+    def left_and_rejoined() -> bool:
+        states = "".join("u" if h else "d" for h in seen)
+        return "ud" in states and "u" in states[states.index("ud") + 1:]
+
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        while time.monotonic() < deadline:
+        while not left_and_rejoined():
+            assert time.monotonic() < deadline, seen
             seen.append(workers(gw.url)[flappy.url]["healthy"])
             statuses += [s for s, _, _ in pool.map(lambda i: timed_chat(gw.url, i), range(4))]
             time.sleep(0.1)
     assert statuses and set(statuses) == {200}, statuses
-    transitions = sum(a != b for a, b in zip(seen, seen[1:]))
-    assert False in seen and transitions >= 2, seen  # dropped out, and came back (at least once)
     assert workers(gw.url)[steady.url]["healthy"] is True
 
 

@@ -15,15 +15,14 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from tests.support import free_port
 
 
 class Recorder:
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.headers: list[dict[str, str]] = []
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # bound by the site; the real port is read back once it listens
+        self.url = ""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -50,7 +49,10 @@ class Recorder:
         app.router.add_get("/server_info", self._ok)
         runner = self._runner = web.AppRunner(app)
         self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self._ready.set()
         self._loop.run_forever()
 

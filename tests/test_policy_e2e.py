@@ -6,23 +6,24 @@ index's predicted cached tokens must agree with what the engines report."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
 
-from tests.support import (Proc, assert_predicted_exactly, converse, free_port, get_text, metric_value, policy_stats,
-                           request_json)
+from tests.support import (FREE_PORT, assert_predicted_exactly, converse, get_text, metric_value, policy_stats,
+                           request_json, serve)
 
-pytest.importorskip("simulator.cluster")
-pytest.importorskip("gateway.cli")
+
+
+def _up(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", "up", "--port", FREE_PORT, *args]
 
 
 def _run(*args: str) -> tuple[list[tuple[int, int]], dict[str, float]]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), *args, name="kvgate-up")
+    proc = serve(_up("--workers", "3", *args), "/v1/models", name="kvgate-up")
+    base = proc.url
     try:
-        proc.wait_http(base + "/v1/models", timeout=60)
         model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
         return converse(base, model, conversations=3, turns=3), policy_stats(base)
     finally:
@@ -64,23 +65,27 @@ def test_rollouts_that_send_their_own_ids_reuse_the_previous_turns_list():
     engines report cached: ids read wrong would miss the engines' blocks. (Speculative
     entries, which the gateway records from the ids it read, expire before the next turn, so
     only the engines' own events can predict it.)"""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = Proc.python("gateway.cli", "up", "--workers", "3", "--port", str(port), "--policy", "kv_events",
-                       "--kv-events", "--policy-option", "speculative_ttl_s=0.1", name="kvgate-up")
+    proc = serve(_up("--workers", "3", "--policy", "kv_events", "--kv-events", "--policy-option",
+                     "speculative_ttl_s=0.1"), "/v1/models", name="kvgate-up")
+    base = proc.url
     try:
-        proc.wait_http(base + "/v1/models", timeout=60)
         served = []
         for rollout in range(3):
             ids = [(rollout * 7919 + i * 31) % 200 + 1 for i in range(400)]
             for turn in range(3):
+                messages = policy_stats(base)["kv_messages"]
                 status, out = request_json("POST", base + "/generate", {
                     "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+                answered = time.monotonic()
                 assert status == 200, out
                 assert out["meta_info"]["prompt_tokens"] == len(ids)
                 served.append((turn, out["meta_info"]["cached_tokens"]))
                 ids = ids + [(turn * 13 + i) % 200 + 1 for i in range(120)]
-                time.sleep(0.3)  # the engine's events in, the speculative entries gone
+                # The engine's events for this prompt in (its batch went out before the answer),
+                # and the speculative entries past their 0.1 s TTL.
+                while policy_stats(base)["kv_messages"] == messages or time.monotonic() - answered < 0.15:
+                    assert time.monotonic() - answered < 10, "no KV event from the engine within 10 s"
+                    time.sleep(0.02)
         stats = policy_stats(base)
         metrics = get_text(base + "/metrics")
     finally:
@@ -96,12 +101,9 @@ def test_cost_learns_the_prefill_speed_from_streamed_first_tokens_only():
     """``cost`` times a prefill at its first token. Through the gateway a response that is
     not streamed reaches the policy's first-token hook only when the whole answer is in, so
     it must teach nothing; a streamed one, alone on its worker, is one sample."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = Proc.python("gateway.cli", "up", "--workers", "2", "--port", str(port), "--policy", "cost",
-                       name="kvgate-up")
+    proc = serve(_up("--workers", "2", "--policy", "cost"), "/v1/models", name="kvgate-up")
+    base = proc.url
     try:
-        proc.wait_http(base + "/v1/models", timeout=60)
         model = json.loads(get_text(base + "/v1/models"))["data"][0]["id"]
         for stream in (False, True):
             for i in range(3):  # one at a time, so each is alone on its worker

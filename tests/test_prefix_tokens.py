@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator.tiny_tokenizer import TEMPLATES, build
+from tests.requires import need
 from wire.prefix_tokens import PrefixTokens, anchor_tokens
 from wire.hashing import uint32_le
 from wire.tokenizer import HFTokenizer
 
-tokenizers = pytest.importorskip("tokenizers")
+tokenizers = need("tokenizers", "pip extra 'test'")
 
 SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "<x>"]
 _WORDS = ["the", "cache", "routing", "prefix", "engine", "token", "über", "naïve", "数据", "🙂", "a", "\n", "  "]

@@ -76,6 +76,34 @@ def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(mo
         squatter.close()
 
 
+def test_sim_cluster_picks_again_when_a_kv_event_port_is_taken(monkeypatch):
+    """ZMQ words its bind error differently from aiohttp ("Address already in use"); a taken
+    KV-event publisher port must lead to the same retry with new ports."""
+    import socket
+
+    import simulator.cluster as cluster
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real, handed = cluster._free_port, []
+
+    def publisher_port_taken(host: str) -> int:  # handed out in order: HTTP, KV publisher, replay
+        port = taken if len(handed) == 1 else real(host)
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(cluster, "_free_port", publisher_port_taken)
+    try:
+        with SimCluster(workers=1, engine_args=["--time-scale", "20"], kv_events=True) as c:
+            assert handed[1] == taken and len(handed) >= 6
+            assert c.kv_event_endpoints[c.urls[0]] != f"tcp://127.0.0.1:{taken}"
+            assert http_status(c.urls[0] + "/health") == 200
+    finally:
+        squatter.close()
+
+
 def test_a_port_answering_zmq_is_not_ready_rather_than_a_crash():
     """CI once saw a worker's picked HTTP port taken first by another worker's ZMQ socket:
     the readiness poll got ZMQ's greeting and the whole cluster start raised. It must read

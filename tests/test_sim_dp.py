@@ -9,7 +9,8 @@ import urllib.request
 
 import zmq
 
-from tests.sim_support import sim_worker
+from tests.sim_support import join_kv_events, spawn_sim
+from tests.support import Proc, ProcExited, bind_failed
 from simulator.cluster import _free_run
 from wire.kv_events import BlockStored, decode_batch
 
@@ -23,10 +24,24 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _dp2_worker() -> tuple[Proc, int]:
+    """A worker with two DP ranks publishing on base and base + 1 (SGLang's layout); a run
+    of ports taken before the worker binds it is picked again."""
+    for attempt in range(4):
+        base = _free_run("127.0.0.1", 2)
+        cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}", "topic": "kv"})
+        try:
+            return spawn_sim("--time-scale", "50", "--dp-size", "2", "--kv-events-config", cfg), base
+        except ProcExited as exc:
+            if attempt == 3 or not bind_failed(exc.proc.output()):
+                raise
+    raise AssertionError("unreachable")
+
+
 def test_dp_ranks_have_their_own_cache_loads_and_publishers():
-    base = _free_run("127.0.0.1", 2)  # the rank-1 publisher binds base + 1 (SGLang's layout)
-    cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{base}", "topic": "kv"})
-    with sim_worker("--time-scale", "50", "--dp-size", "2", "--kv-events-config", cfg) as (url, _):
+    proc, base = _dp2_worker()
+    url = proc.url
+    try:
         ctx = zmq.Context()
         subs = []
         for rank in range(2):
@@ -35,7 +50,7 @@ def test_dp_ranks_have_their_own_cache_loads_and_publishers():
             s.connect(f"tcp://127.0.0.1:{base + rank}")
             subs.append(s)
         try:
-            time.sleep(0.3)
+            join_kv_events(subs[1], url, routed_dp_rank=1)
             text = "D" * 700
             body = {"text": text, "routed_dp_rank": 1, "sampling_params": {"max_new_tokens": 2}}
             assert post(url + "/generate", body)[1]["meta_info"]["cached_tokens"] == 0
@@ -58,3 +73,5 @@ def test_dp_ranks_have_their_own_cache_loads_and_publishers():
             for s in subs:
                 s.close(0)
             ctx.term()
+    finally:
+        proc.stop()

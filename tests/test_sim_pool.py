@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 import urllib.request
 
 import pytest
 
-from tests.support import Proc, free_port
+from tests.requires import missing, need
+from tests.sim_support import join_kv_events
+from tests.support import FREE_PORT, Proc, serve
 from wire.hashing import digest_to_int64, page_digests, page_hashes
 
-pytest.importorskip("mooncake.store", reason="mooncake (pip install mooncake-transfer-engine-non-cuda) does not import")
-zmq = pytest.importorskip("zmq")
+need("mooncake.store", "pip install mooncake-transfer-engine-non-cuda")
+zmq = need("zmq")
 
 from simulator.cluster import SimCluster  # noqa: E402
 from simulator.pool_master import MooncakeMaster, master_binary  # noqa: E402
@@ -24,7 +27,7 @@ from simulator.pool_tier import Prefetch  # noqa: E402
 from wire.kv_events import BlockRemoved, BlockStored, decode_batch  # noqa: E402
 
 if master_binary() is None:
-    pytest.skip("mooncake_master binary not found", allow_module_level=True)
+    missing("mooncake_master binary not found (pip install mooncake-transfer-engine-non-cuda)")
 
 PAGE = 64
 ENGINE = ("--profile", "tiny-test", "--time-scale", "4", "--page-size", str(PAGE), "--hicache-ratio", "1",
@@ -46,13 +49,13 @@ def _prompt(seed: int, n: int) -> str:
 class EventTap:
     """A SUB socket on one worker's KV-event publisher, connected before the traffic."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, worker_url: str) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)
         self.events: list = []
-        time.sleep(0.3)  # ZMQ slow joiner: let the subscription reach the publisher
+        join_kv_events(self.sub, worker_url)  # subscribed: the warm-up prompts' events are dropped
 
     def drain(self, until, timeout: float = 10.0) -> list:
         deadline = time.monotonic() + timeout
@@ -75,6 +78,20 @@ def _external(events: list, kind: type) -> set[int]:
 def master():
     with MooncakeMaster() as m:
         yield m
+
+
+@pytest.mark.parametrize("port", ["http_port", "metrics_port"])
+def test_master_picks_new_ports_when_one_is_taken(port):
+    """A port picked free can be bound by another process before the master binds it."""
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        m = MooncakeMaster()
+        setattr(m, port, squatter.getsockname()[1])
+        with m:
+            assert getattr(m, port) != squatter.getsockname()[1] and m.popen.poll() is None
 
 
 def test_pages_put_get_and_shared_between_clients(master):
@@ -116,12 +133,9 @@ def test_prefetch_policies_credit_what_was_loaded():
 
 
 def _gateway(*worker_urls: str) -> Proc:
-    port = free_port()
-    gw = Proc.python("gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-                     "--health-check-interval-secs", "0.3", "--policy", "round_robin", name="gateway")
-    gw.url = f"http://127.0.0.1:{port}"
-    gw.wait_http(gw.url + "/readiness", timeout=30)
-    return gw
+    return serve([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", FREE_PORT, "--worker-urls",
+                  *worker_urls, "--health-check-interval-secs", "0.3", "--policy", "round_robin"], "/readiness",
+                 name="gateway", timeout=30)
 
 
 def _wait_ready(gw: Proc, timeout: float = 15.0) -> None:
@@ -143,7 +157,7 @@ def test_pool_hit_on_another_worker_through_the_gateway():
     prompt = _prompt(1, 3000)
     with SimCluster(workers=2, engine_args=ENGINE, pool=True, pool_segment="32mb") as cluster:
         a, b = cluster.urls
-        tap_a, tap_b = EventTap(cluster.kv_event_endpoints[a]), EventTap(cluster.kv_event_endpoints[b])
+        tap_a, tap_b = EventTap(cluster.kv_event_endpoints[a], a), EventTap(cluster.kv_event_endpoints[b], b)
         gw = _gateway(a)
         try:
             out = _post(gw.url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 4}})
@@ -184,7 +198,7 @@ def test_pages_the_pool_lost_are_retracted():
     hashes = [digest_to_int64(d) for d in digests]
     with SimCluster(workers=2, engine_args=ENGINE, pool=True, pool_segment="32mb") as cluster:
         a, b = cluster.urls
-        tap_b = EventTap(cluster.kv_event_endpoints[b])
+        tap_b = EventTap(cluster.kv_event_endpoints[b], b)
         store = PageStore(StoreConfig.from_extra_config(cluster.master.extra_config("16mb")), PAGE * 1024)
         store.connect()
         try:
@@ -211,12 +225,11 @@ def test_pages_the_pool_lost_are_retracted():
 
 
 def test_kvgate_up_pd_pool_serves():
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = Proc.python("gateway.cli", "up", "--pd", "--pool", "--prefill-workers", "1", "--decode-workers", "1",
-                       "--port", str(port), "--profile", "tiny-test", "--time-scale", "4", name="kvgate-up")
+    proc = serve([sys.executable, "-m", "gateway.cli", "up", "--pd", "--pool", "--prefill-workers", "1",
+                  "--decode-workers", "1", "--port", FREE_PORT, "--profile", "tiny-test", "--time-scale", "4"],
+                 "/readiness", name="kvgate-up")
+    base = proc.url
     try:
-        proc.wait_http(base + "/readiness", timeout=60)
         out = _post(base + "/generate", {"text": _prompt(3, 600), "sampling_params": {"max_new_tokens": 8}})
         assert out["meta_info"]["completion_tokens"] == 8
     finally:

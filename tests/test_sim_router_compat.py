@@ -7,25 +7,19 @@ import sys
 import urllib.request
 
 import openai
-import pytest
 
-pytest.importorskip("sglang_router", reason="sglang-router not installed")
+from tests.requires import need
+
+need("sglang_router", "pip extra 'test'")
 
 from simulator.cluster import SimCluster  # noqa: E402
-from tests.support import Proc, free_port  # noqa: E402
+from tests.support import FREE_PORT, Proc, serve  # noqa: E402
 
 
 def _router(*args: str) -> tuple[str, Proc]:
-    port = free_port()
-    p = Proc([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-              "--prometheus-port", str(free_port()), *args], name="sglang-router")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        p.wait_http(url + "/health", timeout=60)
-    except BaseException:
-        p.stop()
-        raise
-    return url, p
+    p = serve([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", FREE_PORT,
+               "--prometheus-port", FREE_PORT, *args], "/health", name="sglang-router")
+    return p.url, p
 
 
 def test_router_cache_aware_over_simulated_workers():
