@@ -19,7 +19,6 @@ import random
 import time
 from pathlib import Path
 
-import pytest
 
 from index.block_index import BlockIndex
 from policies.base import Choice, EngineLoad, Hold, Outcome, RequestView, WorkerView
@@ -224,7 +223,6 @@ class Script:
 
     def finish(self, probes: int = 4) -> dict:
         stats = {k: float(v) for k, v in sorted(self.policy.stats().items())}
-        rng = self.rng
         priced = []
         if self.decodes is None:
             for k in range(probes):
