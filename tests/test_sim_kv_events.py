@@ -110,7 +110,7 @@ def test_hash_vector_and_replay(version, legacy):
             ctx.term()
 
 
-def test_the_gateway_feed_replays_what_it_missed_from_the_simulators_router():
+def test_the_gateway_feed_replays_what_it_missed_from_the_simulators_router(monkeypatch):
     """The gateway's KV-event feed against a simulated engine's real PUB and ROUTER: it
     subscribes after the first prompts were served (late join: replayed from seq 0), then
     loses one message on the wire (a gap: replayed strictly from the ROUTER), and ends with
@@ -118,6 +118,7 @@ def test_the_gateway_feed_replays_what_it_missed_from_the_simulators_router():
     import asyncio
 
     from policies.base import RequestView, WorkerView
+    from index.kv_subscriber import Subscriber
     from policies.kv_events import KvEvents
 
     cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{FREE_PORT}", "topic": "kv",
@@ -139,15 +140,15 @@ def test_the_gateway_feed_replays_what_it_missed_from_the_simulators_router():
         policy.on_worker_added(worker)
         await policy.start()
         feed, dropped = policy.feed, []
-        real_receive = feed._receive
+        real_receive = Subscriber._receive
 
-        async def lossy(pub, seq, payload, expected, pace):
+        async def lossy(self, pub, seq, payload, expected, pace):
             if feed.counters["messages"] >= 1 and not dropped:
                 dropped.append(seq)  # lost on the wire: never applied, the next one shows the gap
                 return expected
-            return await real_receive(pub, seq, payload, expected, pace)
+            return await real_receive(self, pub, seq, payload, expected, pace)
 
-        feed._receive = lossy
+        monkeypatch.setattr(Subscriber, "_receive", lossy)
 
         def predicted(tokens: list[int]) -> int:
             return policy.index.precise.match(RequestView("p", "/generate", token_ids=tokens), [worker]).get(url).total
