@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from index.block_index import BlockIndex
 from index.kv_subscriber import Publisher, Slice, Subscriber
-from index.views import WorkerView
+from index.views import SameUrls, WorkerView
 
 log = logging.getLogger("kvgate.policies.kv_events")
 
@@ -75,7 +75,7 @@ class KvEventFeed:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[Publisher, asyncio.Task] = {}
         self._workers: dict[str, WorkerView] = {}
-        self._followed: list[str] = []  # the urls of the last worker list follow() checked
+        self._followed = SameUrls()  # the last worker list follow() checked
         self._waiting: set[str] = set()  # known workers whose server_info named no publisher yet
         self._warned: set[str] = set()
         self._recheck_at = 0.0
@@ -116,15 +116,11 @@ class KvEventFeed:
     def follow(self, workers: Sequence[WorkerView]) -> None:
         """Add workers the gateway routes to but never announced; re-check, at most once a
         second, those whose server_info named no publisher (discovery can lag registration)."""
-        # Usually the urls seen last time (views are replaced as in-flight counts move; urls
-        # compare by identity first, in C).
-        urls = [w.url for w in workers]
-        if urls != self._followed:
+        if self._followed.changed(workers):  # usually the same workers as last time
             known = self._workers
             for w in workers:
                 if w.url not in known:
                     self.add(w)
-            self._followed = urls
         if self._waiting and time.monotonic() >= self._recheck_at:
             # A waiting worker's server_info comes in a later view than the one it was added
             # with: re-check the one this decision was given.

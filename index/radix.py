@@ -22,15 +22,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
 
-from index.views import RequestView, WorkerView
+from index.views import RequestView, SameUrls, WorkerView
 from index.common_prefix import common_units
 from index.prefix import IndexMatch, Tiers, Unit
 from wire.hashing import uint32_le
-
-
-_url = attrgetter("url")
 
 
 class _Node:
@@ -79,7 +75,7 @@ class RadixIndex:
         self._tenant_units: dict[str, int] = {}
         self.evicted_units = 0
         self._last_key: tuple | None = None
-        self._wanted_of: list[str] = []  # the urls the last match was for
+        self._wanted_of = SameUrls()  # the workers the last match was for
         self._wanted: set[str] = set()  # and their urls
 
     # -- keys ---------------------------------------------------------------------------
@@ -124,9 +120,8 @@ class RadixIndex:
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
         key, skip, unit = self._key(request)
         result = IndexMatch(len(key) - skip, unit)
-        urls = list(map(_url, workers))  # views are replaced as in-flight counts move: urls stay
-        if urls != self._wanted_of:  # usually the same urls: compared by identity first, in C
-            self._wanted_of, self._wanted = urls, set(urls)
+        if self._wanted_of.changed(workers):
+            self._wanted = set(self._wanted_of.urls)
         wanted = self._wanted
         hits = result.hits
         # Tenants only shrink going down a path, so the deepest node holding a tenant is

@@ -152,3 +152,28 @@ class Outcome:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+
+
+class SameUrls:
+    """Whether a worker list names the same urls, in the same order, as the last one a cache
+    was built for. The same view objects come back while no in-flight count moved (compared
+    by identity, in C, as a benchmark's fixed views always do); the gateway replaces a view
+    whenever its in-flight count moves, and then the urls are compared (~1.5 us at 64)."""
+
+    __slots__ = ("views", "urls")
+
+    def __init__(self) -> None:
+        self.views: list[WorkerView] = []
+        self.urls: list[str] = []
+
+    def changed(self, workers: Sequence[WorkerView]) -> bool:
+        """True when ``workers`` name other urls than last time (then they are remembered)."""
+        views = workers if type(workers) is list else list(workers)
+        if views == self.views:
+            return False
+        self.views = list(views)
+        urls = [w.url for w in views]
+        if urls == self.urls:
+            return False
+        self.urls = urls
+        return True

@@ -28,18 +28,17 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
 
 from dataclasses import dataclass
 
 from index.build import RadixOptions, make_radix
 from index.tree_budget import TreeBudget
 from index.prefix import IndexMatch, PrefixIndex
+from index.views import SameUrls
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.hit_verification import VerifierOptions, make_verifier
 
 log = logging.getLogger("kvgate.policies")
-_url = attrgetter("url")
 
 
 def in_flight(workers: Sequence[WorkerView]) -> list[int]:
@@ -91,7 +90,7 @@ class CacheAware(Policy):
         self.verifier = make_verifier(self.name, o)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
-        self._positions_of: tuple[list[str], dict[str, int]] = ([], {})
+        self._positions_of: tuple[SameUrls, dict[str, int]] = (SameUrls(), {})
 
     def build_index(self) -> tuple[PrefixIndex, TreeBudget | None]:
         """The index this policy matches on, from its options (``self.opts``)."""
@@ -100,11 +99,10 @@ class CacheAware(Policy):
     # -- decision -----------------------------------------------------------------------
     def _positions(self, workers: Sequence[WorkerView]) -> dict[str, int]:
         """url -> place in ``workers`` (the first, if listed twice), kept while the list
-        names the same urls in the same order (views are replaced as in-flight counts move,
-        so their identity changes from one decision to the next; urls compare in C)."""
-        urls = list(map(_url, workers))
-        if urls != self._positions_of[0]:
-            self._positions_of = (urls, {url: i for i, url in reversed(list(enumerate(urls)))})
+        names the same urls in the same order (``SameUrls``)."""
+        same = self._positions_of[0]
+        if same.changed(workers):
+            self._positions_of = (same, {url: i for i, url in reversed(list(enumerate(same.urls)))})
         return self._positions_of[1]
 
     def _least_loaded(self, workers: Sequence[WorkerView], loads: list[int], lo: int) -> WorkerView:

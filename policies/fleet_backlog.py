@@ -124,18 +124,21 @@ class FleetBacklog:
 
     def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
         """The rows of ``workers``, current as of ``now``."""
-        # A fleet is the list of urls: the gateway replaces a worker's view whenever its
-        # in-flight count moves, so the views differ from one decision to the next while
-        # the rows stay right (bookings come through ``touch``, reports are counted).
-        urls = list(map(_url, workers))
+        # A fleet is the list of urls. The same views as last time are found by identity, in
+        # C; the gateway replaces a worker's view whenever its in-flight count moves, and then
+        # the urls say which fleet it is (the rows stay right: bookings come through
+        # ``touch``, reports are counted).
+        views = workers if type(workers) is list else list(workers)
         fleets = self._fleets
-        if fleets and fleets[0].urls == urls:  # strings, compared by identity first, in C
+        if fleets and fleets[0].views == views:
             fleet: Fleet | None = fleets[0]
         else:
+            urls = list(map(_url, views))
             fleet = next((f for f in fleets if f.urls == urls), None)
             if fleet is not None:  # most recently used first
                 fleets.remove(fleet)
                 fleets.insert(0, fleet)
+                fleet.views = list(views)  # the current views: rows read their reports there
         if fleet is None or now < fleet.now:  # a new list, or a clock that went back
             if fleet is not None:
                 self._fleets.remove(fleet)
@@ -143,7 +146,6 @@ class FleetBacklog:
             self._fleets.insert(0, fleet)
             del self._fleets[self.max_fleets:]
         else:
-            fleet.views = list(workers)  # the current views: rows read their reports there
             if fleet.reports != WorkerView.reports:  # some report was replaced (or views not counted: -1)
                 if fleet.reports >= 0:
                     fleet.reports = WorkerView.reports

@@ -89,3 +89,17 @@ def test_view_without_prompt_skips_template_and_tokenizer():
     bare = asyncio.run(build_view(body, CHAT, {}, "r", PromptEncoder(ByteTokenizer()), with_prompt=False))
     assert full.text and full.token_ids and bare.text is None and bare.token_ids is None
     assert bare.model == "m"
+
+
+def test_same_urls_sees_through_replaced_views_but_not_a_changed_fleet():
+    from index.views import SameUrls
+
+    views = [WorkerView(f"http://127.0.0.1:{p}") for p in (1, 2, 3)]
+    same = SameUrls()
+    assert same.changed(views) and same.urls == [v.url for v in views]
+    assert not same.changed(views)  # the same objects
+    replaced = [views[0], views[1].with_in_flight(4), views[2]]  # as the gateway replaces them
+    assert not same.changed(replaced)
+    assert same.changed(replaced[::-1])  # another order: positions move
+    assert same.changed(replaced[:2])  # a worker left
+    assert same.changed(tuple(replaced))  # any sequence
