@@ -40,9 +40,11 @@ class EngineLoad:
         return self.used_tokens / self.max_tokens if self.max_tokens else 0.0
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, eq=False)
 class WorkerView:
-    """A snapshot of one worker, as the gateway sees it at routing time (frozen: see the module)."""
+    """A snapshot of one worker, as the gateway sees it at routing time (frozen: see the module).
+    Views compare by identity: a replaced view is another snapshot even where its figures are
+    the same, and a list of views compares in C, with no field-by-field equality per worker."""
 
     url: str
     role: str = "unified"  # unified | prefill | decode
