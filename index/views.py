@@ -156,6 +156,23 @@ class Outcome:
     error: str | None = None
 
 
+_last: tuple[list[WorkerView], list[str]] = ([], [])
+
+
+def urls_of(workers: Sequence[WorkerView]) -> list[str]:
+    """The urls of ``workers``, in order (the caller must not change the list). A decision
+    asks for them at several caches (the index, the feed, the backlog rows) with the same
+    views, so the last answer is kept: finding it again is a comparison of the views by
+    identity, in C."""
+    global _last
+    views, urls = _last
+    if workers == views:
+        return urls
+    views = workers if type(workers) is list else list(workers)
+    _last = (list(views), [w.url for w in views])
+    return _last[1]
+
+
 class SameUrls:
     """Whether a worker list names the same urls, in the same order, as the last one a cache
     was built for. The same view objects come back while no in-flight count moved (compared
@@ -174,7 +191,7 @@ class SameUrls:
         if views == self.views:
             return False
         self.views = list(views)
-        urls = [w.url for w in views]
+        urls = urls_of(views)
         if urls == self.urls:
             return False
         self.urls = urls

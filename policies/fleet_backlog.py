@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from itertools import compress, count
 from operator import attrgetter, is_not
 
+from index.views import urls_of
 from policies.base import EngineLoad, WorkerView
 
 _load = attrgetter("load")
-_url = attrgetter("url")
 _INF = float("inf")
 _NO_INFO: Mapping = {}
 
@@ -133,7 +133,7 @@ class FleetBacklog:
         if fleets and fleets[0].views == views:
             fleet: Fleet | None = fleets[0]
         else:
-            urls = list(map(_url, views))
+            urls = urls_of(views)
             fleet = next((f for f in fleets if f.urls == urls), None)
             if fleet is not None:  # most recently used first
                 fleets.remove(fleet)
