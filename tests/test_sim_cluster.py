@@ -7,6 +7,8 @@ import signal
 import time
 import urllib.request
 
+import pytest
+
 from simulator.cluster import SimCluster
 from tests.support import Proc, http_status
 
@@ -48,9 +50,12 @@ def test_kvgate_sim_cli_prints_urls_and_stops_on_sigterm():
         proc.stop()
 
 
-def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(monkeypatch):
+@pytest.mark.parametrize("kv_events, taken_at, picks", [(False, 0, 2), (True, 1, 6)], ids=["http", "kv-publisher"])
+def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(monkeypatch, kv_events, taken_at, picks):
     """Ports are picked free and bound later by the worker process; another process can
-    take one in between (it happened in a benchmark). The cluster then retries with new ports."""
+    take one in between (it happened in a benchmark). The cluster then retries with new ports,
+    also for a KV-event publisher port, whose bind error ZMQ words its own way. Ports are
+    handed out in order: HTTP, then the KV publisher and its replay socket."""
     import socket
 
     import simulator.cluster as cluster
@@ -61,44 +66,18 @@ def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(mo
     taken = squatter.getsockname()[1]
     real, handed = cluster._free_port, []
 
-    def first_one_taken(host: str) -> int:
-        port = taken if not handed else real(host)
+    def one_taken(host: str) -> int:
+        port = taken if len(handed) == taken_at else real(host)
         handed.append(port)
         return port
 
-    monkeypatch.setattr(cluster, "_free_port", first_one_taken)
+    monkeypatch.setattr(cluster, "_free_port", one_taken)
     try:
-        with SimCluster(workers=1, engine_args=["--time-scale", "20"], kv_events=False) as c:
-            assert handed[0] == taken and len(handed) >= 2
+        with SimCluster(workers=1, engine_args=["--time-scale", "20"], kv_events=kv_events) as c:
+            assert handed[taken_at] == taken and len(handed) >= picks
             assert c.urls and not c.urls[0].endswith(f":{taken}")
-            assert http_status(c.urls[0] + "/health") == 200
-    finally:
-        squatter.close()
-
-
-def test_sim_cluster_picks_again_when_a_kv_event_port_is_taken(monkeypatch):
-    """ZMQ words its bind error differently from aiohttp ("Address already in use"); a taken
-    KV-event publisher port must lead to the same retry with new ports."""
-    import socket
-
-    import simulator.cluster as cluster
-
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    real, handed = cluster._free_port, []
-
-    def publisher_port_taken(host: str) -> int:  # handed out in order: HTTP, KV publisher, replay
-        port = taken if len(handed) == 1 else real(host)
-        handed.append(port)
-        return port
-
-    monkeypatch.setattr(cluster, "_free_port", publisher_port_taken)
-    try:
-        with SimCluster(workers=1, engine_args=["--time-scale", "20"], kv_events=True) as c:
-            assert handed[1] == taken and len(handed) >= 6
-            assert c.kv_event_endpoints[c.urls[0]] != f"tcp://127.0.0.1:{taken}"
+            if kv_events:
+                assert c.kv_event_endpoints[c.urls[0]] != f"tcp://127.0.0.1:{taken}"
             assert http_status(c.urls[0] + "/health") == 200
     finally:
         squatter.close()
