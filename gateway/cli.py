@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     except OptionError as exc:  # a policy option the policy does not take, or cannot parse
         print(f"kvgate: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into a reader that left (`kvgate policies cost | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         return 130
 
