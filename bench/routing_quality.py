@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import platform
 import shlex
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.nats_server import EmbeddedNats
 from simulator.cluster import SimCluster
 from simulator.cost_model import CostModel
 from simulator.profiles import get_profile
@@ -54,9 +57,16 @@ class RunSpec:
     router: str  # kvgate | sglang-router
     policy: str
     options: dict[str, str] = field(default_factory=dict)
+    replicas: int = 1  # kvgate instances, the client round-robining requests across them (as a Service)
+    shared: bool = False  # the replicas share routing state on a NATS bus (gateway.peers)
 
     @property
     def label(self) -> str:
+        return self.base_label + (f" x{self.replicas} {'shared' if self.shared else 'alone'}"
+                                  if self.replicas > 1 else "")
+
+    @property
+    def base_label(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
         name = "kvgate" if self.router == "kvgate" else "sglang-router"
         return f"{name}:{self.policy}" + (f"[{opts}]" if opts else "")
@@ -125,7 +135,7 @@ def offered_load(records: list[TraceRecord], profile: str, workers: int, arrival
 
 # ---- one run --------------------------------------------------------------------------------------
 def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, out: Path) -> dict:
-    logs = out / "logs" / spec.label.replace(":", "_").replace("[", "_").replace("]", "").replace(",", "_")
+    logs = out / "logs" / spec.label.replace(":", "_").replace("[", "_").replace("]", "").replace(",", "_").replace(" ", "_")
     logs.mkdir(parents=True, exist_ok=True)
     # One log line per request on every engine: which worker served it and what it reused
     # (bench.hit_loss splits the lost hits into diverted and evicted from them).
@@ -133,25 +143,32 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
                    *(x for x in a.engine_arg if x != "--log-requests")]
     t0 = time.monotonic()
     with SimCluster(workers=a.workers, engine_args=engine_args, kv_events=True, log_dir=str(logs),
-                    startup_timeout=90) as cluster:
-        router: Service
-        if spec.router == "kvgate":
-            router = start_kvgate(cluster.urls, spec.policy, spec.options, logs / "router.log")
-        else:
-            router = start_sglang_router(cluster.urls, spec.policy, spec.options, logs / "router.log")
+                    startup_timeout=90) as cluster, contextlib.ExitStack() as stack:
+        routers: list[Service] = []
+        extra: list[str] = []
+        if spec.shared:
+            extra = ["--state-url", stack.enter_context(EmbeddedNats()).url]
+        for i in range(spec.replicas):
+            if spec.router == "kvgate":
+                routers.append(start_kvgate(cluster.urls, spec.policy, spec.options, logs / f"router{i}.log",
+                                            extra=extra))
+            else:
+                routers.append(start_sglang_router(cluster.urls, spec.policy, spec.options, logs / f"router{i}.log"))
+            stack.callback(routers[-1].stop)
+        router = routers[0]
         try:
             def progress(done: int, total: int) -> None:
                 if done % max(1, total // 10) == 0 or done == total:
                     print(f"\r  {spec.label}: {done}/{total}", end="", file=sys.stderr, flush=True)
 
             res: ReplayResult = asyncio.run(replay(
-                records, router.url, api="generate", speedup=a.time_scale * a.arrival_speedup,
+                records, [r.url for r in routers], api="generate", speedup=a.time_scale * a.arrival_speedup,
                 concurrency=4096, time_scale=a.time_scale, timeout=a.request_timeout, on_progress=progress))
             print(file=sys.stderr)
             workers = [worker_stats(u) for u in cluster.urls]
             pstats = kvgate_policy_stats(router.url) if spec.router == "kvgate" else {}
         finally:
-            router.stop()
+            stack.close()
         dead = cluster.dead()
         engine_logs = cluster.log_paths  # this run's only: repetitions share the directory
     return {"spec": spec, "result": res, "workers": workers, "policy_stats": pstats, "dead": dead,
@@ -239,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"kvgate policies, optionally with options: cost[index=precise] (default {KVGATE_POLICIES})")
     p.add_argument("--sglang-router", nargs="*", default=None, metavar="POLICY",
                    help=f"sglang-router policies (default {ROUTER_POLICIES})")
+    p.add_argument("--replicas", type=int, nargs="+", default=[1],
+                   help="kvgate replicas per run, the client round-robining across them (e.g. 1 2 4)")
+    p.add_argument("--share", choices=["on", "off", "both"], default="on",
+                   help="with several replicas: share routing state on a NATS bus, not, or a run each way")
     p.add_argument("--engine-arg", action="append", default=[], help="extra simulator argument (repeatable)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--lag-tolerance-s", type=float, default=0.1, help="simulated seconds of lag that still count as sound")
@@ -274,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"routing_quality: trace {trace} not found; skipping (pass --trace PATH)", file=sys.stderr)
         return 0
     specs = [parse_spec("kvgate", t) for t in (KVGATE_POLICIES if a.kvgate is None else a.kvgate)]
+    shares = {"on": [True], "off": [False], "both": [True, False]}[a.share]
+    specs = [dataclasses.replace(s, replicas=r, shared=r > 1 and shared) for s in specs for r in a.replicas
+             for shared in (shares if r > 1 else [False])]
     specs += [parse_spec("sglang-router", t) for t in (ROUTER_POLICIES if a.sglang_router is None else a.sglang_router)]
     host = machine()  # load average before this benchmark adds its own
     records = load_trace(trace, a.limit)

@@ -78,11 +78,11 @@ def start_service(make_args: Callable[[int], list[str]], log_path: Path, path: s
 
 
 def start_kvgate(worker_urls: Sequence[str], policy: str, options: dict[str, str], log_path: Path,
-                 tokenizer: str | None = "byte") -> Service:
+                 tokenizer: str | None = "byte", extra: Sequence[str] = ()) -> Service:
     def make_args(port: int) -> list[str]:
         args = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--policy", policy, "--log-level", os.environ.get("KVGATE_BENCH_LOG_LEVEL", "warning"),
-                "--worker-urls", *worker_urls]
+                "--worker-urls", *worker_urls, *extra]
         if tokenizer:
             args += ["--tokenizer", tokenizer]
         for k, v in options.items():

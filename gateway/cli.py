@@ -91,6 +91,11 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
                    help="memory for the token-id lists clients send (/generate input_ids, a completion's prompt "
                         "ids), so a list that extends a recent one (an RL rollout's next turn) is decoded only past "
                         "it (default 64; 0: off)")
+    g.add_argument("--state-url", help="nats://HOST:PORT of the bus the gateway processes and replicas of one "
+                                       "group share routing state on (default: none, this process routes alone)")
+    g.add_argument("--state-subject", help="NATS subject of the group (default kvgate.routing)")
+    g.add_argument("--state-heartbeat-secs", type=float,
+                   help="how often each process says what it has in flight; a peer silent for three is gone")
     g.add_argument("--shutdown-grace-secs", type=float)
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 

@@ -65,6 +65,10 @@ class GatewayConfig:
     tokenize_cache_mb: float = 64.0  # ids of recent prompts kept to encode only what a new one adds; 0: off
     ids_cache_mb: float = 64.0  # id lists clients sent, kept to decode only what a next turn adds; 0: off
     strict_models: bool = True  # unknown model -> 404
+    # a group of gateway processes/replicas sharing one routing state (gateway.peers)
+    state_url: str | None = None  # nats://host:port; None: this process routes on its own state
+    state_subject: str = "kvgate.routing"  # one group per subject on a shared NATS
+    state_heartbeat_secs: float = 1.0  # a peer silent for three is gone
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"
 

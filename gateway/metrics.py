@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -38,6 +38,27 @@ class _TokenizerCollector:
         for name, value in (source() if source is not None else {}).items():
             fam.add_metric([name], float(value))
         yield fam
+
+
+class _PeersCollector:
+    """The state bus's numbers (``gateway.peers.Peers.stats``), read at scrape time."""
+
+    def __init__(self, peers) -> None:
+        self.peers = peers
+
+    def collect(self):
+        stats = self.peers.stats()
+        yield GaugeMetricFamily("kvgate_state_connected", "1 while this process is connected to the state bus",
+                                value=stats["connected"])
+        yield GaugeMetricFamily("kvgate_state_peers", "Peer gateway processes heard within three heartbeats",
+                                value=stats["peers"])
+        yield GaugeMetricFamily("kvgate_state_peer_requests_in_flight", "Peers' requests in flight, as applied here",
+                                value=stats["peer_requests_in_flight"])
+        records = CounterMetricFamily("kvgate_state_records", "State-bus records, by what became of them",
+                                      labels=["outcome"])
+        for outcome in ("published", "dropped", "applied", "ignored", "released", "charged"):
+            records.add_metric([outcome], stats[outcome])
+        yield records
 
 
 class _Children:
@@ -94,6 +115,14 @@ class GatewayMetrics:
         r.register(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
         self.tokenizer_stats: Callable[[], Mapping[str, float]] | None = None
         r.register(_TokenizerCollector(self))
+
+    def watch_peers(self, peers) -> None:
+        """Export the state bus's figures and the lag from a peer's record to its application here."""
+        self.registry.register(_PeersCollector(peers))
+        lag = Histogram("kvgate_state_lag_seconds", "From a peer publishing a record to applying it here (clocks "
+                        "of different hosts included)", buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                                 0.1, 0.25, 0.5, 1, 5), registry=self.registry)
+        peers.lag_observe = lag.observe
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

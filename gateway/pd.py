@@ -29,6 +29,7 @@ from aiohttp import web
 from gateway.attempts import RETRYABLE_STATUS, Failure, Reply, Tried, failed, refused_hold
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
+from gateway.peers import ALONE, Local
 from gateway.proxy import count_tokens, kind, outcome_from_json, outcome_from_sse_tail, relay, upstream_headers
 from gateway.request import Body
 from gateway.workers import Worker, WorkerRegistry
@@ -125,8 +126,9 @@ class Pairs:
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
                  metrics: GatewayMetrics, freed: Callable[[], None], *, prefill_policy: Policy,
-                 decode_policy: Policy) -> None:
+                 decode_policy: Policy, peers: Local = ALONE) -> None:
         self.registry = registry
+        self.peers = peers
         self.policy = policy  # the main policy: named when a hold goes wrong
         self.session = session
         self.metrics = metrics
@@ -229,11 +231,14 @@ class Pairs:
     async def _attempt_pair(self, request: web.Request, view: RequestView, raw: bytes, body: Body, pick: _Pick,
                             rid: str | list[str]) -> web.StreamResponse | Failure:
         prefill, decode, metrics = pick.prefill, pick.decode, self.metrics
-        for w, policy in ((prefill, self.prefill_policy), (decode, self.decode_policy)):
+        peers = self.peers
+        for w, policy, choice in ((prefill, self.prefill_policy, pick.p_choice),
+                                  (decode, self.decode_policy, pick.d_choice)):
             w.started()
             w.breaker.on_attempt()
             metrics.routed.labels(w.url).inc()
             policy.on_routed(view, w.view)
+            peers.routed(view, w.view, choice.predicted_cached_tokens)
         p_task = asyncio.create_task(self._call_prefill(request, view, raw, prefill))
         d_task = asyncio.create_task(self._open_decode(request, view, raw, decode))
         started = time.perf_counter()
@@ -272,6 +277,7 @@ class Pairs:
             prefill.breaker.record_success()
             p_outcome = Outcome(ok=True, status=200)
             self.prefill_policy.on_first_token(view, prefill.view)
+            peers.first_token(view, prefill.view)
             self.freed()
             if first is None:  # non-stream JSON
                 data = await upstream.read()
@@ -280,13 +286,14 @@ class Pairs:
                 decode.breaker.record_success()
                 d_outcome = outcome_from_json(data, upstream.status)
                 self.decode_policy.on_first_token(view, decode.view)
+                peers.first_token(view, decode.view)
                 return web.Response(status=upstream.status, body=data,
                                     content_type=upstream.headers.get("Content-Type", "application/json").split(";")[0],
                                     headers={"X-Request-ID": view.request_id})
             if need_prefill:
                 first = _merge_first_event(first, p_task.result().body)
             response, d_outcome = await relay(request, view, decode, upstream, started, self.decode_policy,
-                                              metrics, self.freed, first=first)
+                                              metrics, self.freed, first=first, peers=peers)
             return response
         finally:
             for task in (p_task, d_task):
@@ -301,6 +308,8 @@ class Pairs:
             count_tokens(metrics, p_outcome, pick.p_choice)
             self.prefill_policy.on_complete(view, prefill.view, p_outcome)
             self.decode_policy.on_complete(view, decode.view, d_outcome)
+            peers.completed(view, prefill.view, p_outcome)
+            peers.completed(view, decode.view, d_outcome)
             self.freed()
 
     def _leg_failure(self, worker: Worker, task: asyncio.Task) -> Failure | None:

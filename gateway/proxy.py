@@ -22,6 +22,7 @@ from aiohttp import web
 from gateway.attempts import RETRYABLE_STATUS, Attempts, Failure, Target, Tried, failed, refused_hold, select
 from gateway.errors import GatewayError, sse_error_frame
 from gateway.metrics import GatewayMetrics
+from gateway.peers import ALONE, Local
 from gateway.workers import Worker, WorkerRegistry
 from index.views import Outcome, RequestView
 from policies.base import Choice, Hold, NoWorkerAvailable, Policy
@@ -143,10 +144,11 @@ class Proxy:
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
                  metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 16,
-                 target: Callable[[Callable[[], None]], Target] | None = None) -> None:
-        """``target(freed)`` builds what is attempted; ``freed`` wakes held requests."""
+                 target: Callable[[Callable[[], None]], Target] | None = None, peers: Local = ALONE) -> None:
+        """``target(freed)`` builds what is attempted; ``freed`` wakes held requests.
+        ``peers`` hears each request's life next to the policy (``gateway.peers``)."""
         self.attempts: Attempts = Attempts(metrics, max_retries, max_hold_s, hold_wake)
-        make = target or (lambda freed: Unified(registry, policy, session, metrics, freed))
+        make = target or (lambda freed: Unified(registry, policy, session, metrics, freed, peers))
         self.attempts.target = make(self.attempts.freed)
         self.holds = self.attempts.holds
 
@@ -158,12 +160,13 @@ class Unified:
     """One unified worker per attempt."""
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, freed: Callable[[], None]) -> None:
+                 metrics: GatewayMetrics, freed: Callable[[], None], peers: Local = ALONE) -> None:
         self.registry = registry
         self.policy = policy
         self.session = session
         self.metrics = metrics
         self.freed = freed
+        self.peers = peers
 
     async def decide(self, view: RequestView, tried: Tried) -> tuple[Worker, Choice] | Hold:
         # Prefer workers not tried yet; when every one was, any available one that did not
@@ -210,6 +213,7 @@ class Unified:
         worker.breaker.on_attempt()
         metrics.routed_to(worker.url).inc()
         self.policy.on_routed(view, worker.view)
+        self.peers.routed(view, worker.view, choice.predicted_cached_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s -> %s (%s, held %.3fs)", view.request_id, worker.url, choice.reason, view.held_s)
         outcome = Outcome(ok=False, status=0, error="cancelled")
@@ -233,7 +237,7 @@ class Unified:
                 return Failure.answered(upstream.status, data, ctype)
             if ctype.startswith("text/event-stream"):
                 response, outcome = await relay(request, view, worker, upstream, started, self.policy, metrics,
-                                                self.freed)
+                                                self.freed, peers=self.peers)
                 return response
             try:
                 data = await upstream.read()
@@ -245,6 +249,7 @@ class Unified:
                 return failed(worker, "malformed", f"{MALFORMED}: {data[:80]!r}", metrics)
             worker.breaker.record_success()
             self.policy.on_first_token(view, worker.view)
+            self.peers.first_token(view, worker.view)
             self.freed()
             return web.Response(status=upstream.status, body=data, content_type=ctype.split(";")[0],
                                 headers={"X-Request-ID": view.request_id})
@@ -254,12 +259,13 @@ class Unified:
                 upstream.close()  # idempotent after a full read; drops the connection otherwise
             count_tokens(metrics, outcome, choice)
             self.policy.on_complete(view, worker.view, outcome)
+            self.peers.completed(view, worker.view, outcome)
             self.freed()
 
 
 async def relay(request: web.Request, view: RequestView, worker: Worker, upstream: aiohttp.ClientResponse,
                 started: float, policy: Policy, metrics: GatewayMetrics, freed: Callable[[], None], *,
-                first: bytes | None = None) -> tuple[web.StreamResponse | Failure, Outcome]:
+                first: bytes | None = None, peers: Local = ALONE) -> tuple[web.StreamResponse | Failure, Outcome]:
     """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it).
     A failure before the first chunk is answered as a ``Failure`` (nothing reached the
     client: the loop may retry); after it, the stream ends with a JSON error event."""
@@ -280,6 +286,7 @@ async def relay(request: web.Request, view: RequestView, worker: Worker, upstrea
     await response.prepare(request)
     metrics.ttft_of(view.route).observe(time.perf_counter() - started)
     policy.on_first_token(view, worker.view)
+    peers.first_token(view, worker.view)
     freed()
     # The last _TAIL_BYTES of the stream, kept as a list trimmed only when it has doubled:
     # re-slicing a 16 KiB tail on every chunk copied ~0.3 MB per 64-chunk stream.

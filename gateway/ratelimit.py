@@ -4,13 +4,22 @@ Admission bounds what the *cluster* takes on; this bounds what one *client* may 
 so a single noisy key cannot fill the admission queue for everyone else. The client is the
 presented API key once auth has accepted it (a bad key never gets a bucket, so random keys
 cannot grow the table), or the peer address when auth is off.
+
+In a group of gateway processes and replicas (``gateway.peers``) every admitted request is
+charged to its client's bucket in every process (``on_spent`` publishes it, ``charge``
+applies a peer's), so a client gets ``rate`` across the group, not per process; the
+records travel in well under a millisecond on one host, which is the window in which
+two processes may both admit the last token. API keys are hashed in the client key, so
+no key travels on the bus.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -35,10 +44,9 @@ class RateLimiter:
         self.burst = max(burst, 1.0)
         self.max_clients = max_clients
         self._buckets: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
+        self.on_spent: Callable[[str], None] | None = None  # told of each admitted request (the group's)
 
-    def try_acquire(self, client: str, now: float | None = None) -> float:
-        """0.0 when admitted, else the seconds until a token is available."""
-        now = time.monotonic() if now is None else now
+    def _bucket(self, client: str, now: float) -> TokenBucket:
         bucket = self._buckets.get(client)
         if bucket is None:
             bucket = self._buckets[client] = TokenBucket(self.burst, now)
@@ -48,17 +56,30 @@ class RateLimiter:
             self._buckets.move_to_end(client)
             bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.stamp) * self.rate)
             bucket.stamp = now
+        return bucket
+
+    def try_acquire(self, client: str, now: float | None = None) -> float:
+        """0.0 when admitted, else the seconds until a token is available."""
+        bucket = self._bucket(client, time.monotonic() if now is None else now)
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
+            if self.on_spent is not None:
+                self.on_spent(client)
             return 0.0
         return (1.0 - bucket.tokens) / self.rate
+
+    def charge(self, client: str, now: float | None = None) -> None:
+        """A peer admitted a request of ``client``: one token less here too. A bucket may go
+        down to ``-burst`` (two processes admitted at once): the debt is paid by refill."""
+        bucket = self._bucket(client, time.monotonic() if now is None else now)
+        bucket.tokens = max(bucket.tokens - 1.0, -self.burst)
 
 
 def client_key(request: web.Request, auth_on: bool) -> str:
     if auth_on:
         token = bearer_token(request.headers.get("Authorization"))
         if token:
-            return "key:" + token
+            return "key:" + hashlib.blake2b(token.encode(), digest_size=12).hexdigest()
     return "ip:" + (request.remote or "unknown")
 
 

@@ -15,6 +15,12 @@ when that policy serves decode too or overrides ``select_pair`` (it prices the t
 one decision, as ``pd_cost`` does, whatever the decode policy is); otherwise each leg is
 chosen by its own policy (``select_each``), as the default ``select_pair`` does with one.
 
+A group of gateway processes and replicas shares one routing state (``gateway.peers``):
+each policy also hears what its peers routed (``on_peer_routed``) and how those requests
+went (the same ``on_first_token`` and ``on_complete``; their request ids end in
+``@origin``). A policy whose ``select`` records something (an index insert, a booking
+with a hit) records it again there, so every process decides on the whole group's traffic.
+
 Views are snapshots, never changed once given (``index.views``): a worker's view is
 replaced when its state moves, and each call gets the current ones.
 """
@@ -102,6 +108,15 @@ class Policy:
 
     # Lifecycle hooks: the defaults do nothing, so simple policies stay simple.
     def on_routed(self, request: RequestView, worker: WorkerView) -> None: ...
+
+    def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
+        """Another gateway process or replica of the group routed ``request`` to ``worker``,
+        its policy expecting ``cached_tokens`` to hit (its ``Choice``; None when no policy
+        chose it for a prefix, as a PD decode leg). Record what this policy's ``select``
+        would have recorded had it made that choice, then book it as ``on_routed``; the
+        request's ``on_first_token`` and ``on_complete`` follow as for one routed here. The
+        default books it (``on_routed``)."""
+        self.on_routed(request, worker)
 
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
         """At a stream's first chunk; for a response that is not streamed, when the whole

