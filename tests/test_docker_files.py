@@ -81,8 +81,26 @@ def test_services_reference_each_other_consistently(name):
     for url in urls:
         host = re.match(r"http://([^:/]+):30000$", url)[1]
         assert host in services and services[host].get("hostname") == host
-    assert set(services["kvgate"]["depends_on"]) == {re.match(r"http://([^:]+)", u)[1] for u in urls}
+    engines = {re.match(r"http://([^:]+)", u)[1] for u in urls}
+    assert set(services["kvgate"]["depends_on"]) - {"nats"} == engines
     assert services["kvgate"]["ports"] == ["30000:30000"]
+
+
+def test_sim_gateway_replicas_share_state_on_the_compose_nats():
+    services = load("compose.sim.yml")["services"]
+    replicas = {n: s for n, s in services.items() if n.startswith("kvgate")}
+    assert sorted(replicas) == ["kvgate", "kvgate-1"]
+    assert replicas["kvgate"]["command"] == replicas["kvgate-1"]["command"]
+    assert replicas["kvgate-1"]["ports"] == ["30001:30000"]
+    cmd = command(replicas["kvgate"])
+    assert re.fullmatch(r"nats://nats:4222", cmd[cmd.index("--state-url") + 1])
+    assert "nats" in replicas["kvgate-1"]["depends_on"] and "8222" in services["nats"]["command"]
+
+
+def test_every_top_level_package_is_in_the_image():
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name not in ("tests",))
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert [p for p in packages if f"COPY {p} ./{p}" not in dockerfile] == []
 
 
 def test_gpu_engines_are_valid_launcher_invocations():
@@ -115,7 +133,7 @@ def test_sim_workers_parse_with_the_simulator_cli():
     import simulator.config as config
     services = load("compose.sim.yml")["services"]
     for name, svc in services.items():
-        if name == "kvgate":
+        if name.startswith("kvgate") or name == "nats":
             continue
         cmd = command(svc)
         assert svc["entrypoint"] == ["python", "-m", "simulator"] and cmd[0] == "serve"
