@@ -147,3 +147,24 @@ def test_rate_limits_hold_across_replicas(start_gateway, sims, nats):
     wait_for(lambda: state(b, "kvgate_state_records_total", outcome="charged") == 3, why="b charges a's spends")
     assert one(b) == 429  # the client's burst is spent, through whichever replica
     assert one(alone) == 200  # the control: a replica of its own keeps a bucket of its own
+
+
+def test_every_replica_hears_the_engines_kv_events_itself(start_sim, start_gateway):
+    """The precise index needs no bus: each replica subscribes to every engine, so what one
+    replica's traffic cached is in the other's index, to the block."""
+    from tests.support import FREE_PORT, converse, policy_stats
+
+    sims = [start_sim("--kv-events-port", FREE_PORT, name=f"sim{i}").url for i in range(2)]
+    args = ("--policy", "kv_events", "--tokenizer", "byte")
+    a, b = start_gateway(*sims, args=args), start_gateway(*sims, args=args)
+    served = converse(a.url, MODEL, conversations=2, turns=2)
+    assert all(cached > 0 for turn, cached in served if turn > 0), served
+    wait_for(lambda: policy_stats(b.url)["index_blocks"] == policy_stats(a.url)["index_blocks"] > 0,
+             why="b's index holds what a's traffic cached")
+    again = converse(b.url, MODEL, conversations=2, turns=1)  # the same first turns, through b
+    stats = policy_stats(b.url)
+    assert all(cached > 0 for _, cached in again), again
+    # b predicts a's cached prompt to the page: the engine reuses at most the pages of all
+    # but the prompt's last token, which the index does not subtract for a repeated prompt
+    predicted, actual = stats["hit_predicted_tokens_total"], stats["hit_actual_tokens_total"]
+    assert 0 < actual <= predicted <= actual + 64 * len(again), (predicted, actual)
