@@ -41,7 +41,7 @@ import ipaddress
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,14 +158,16 @@ def backoff(failures: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(failures - 1, 0)) * random.uniform(0.5, 1.0)
 
 
-async def api_client() -> client.ApiClient:
-    """In a pod, its service account; elsewhere ``$KUBECONFIG`` or ``~/.kube/config``."""
+async def api_client() -> tuple[client.ApiClient, Coroutine[Any, Any, None] | None]:
+    """In a pod, its service account; elsewhere ``$KUBECONFIG`` or ``~/.kube/config``. With the
+    client comes what keeps its token fresh, where the library leaves that to a task."""
     conf = client.Configuration()
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=conf)
-    else:  # persist_config=False: a refreshed token is not written back into the user's file
-        await config.load_kube_config(client_configuration=conf, persist_config=False)
-    return client.ApiClient(conf)
+        config.load_incluster_config(client_configuration=conf)  # re-reads the token file as it rotates
+        return client.ApiClient(conf), None
+    # persist_config=False: a refreshed token is never written back into the user's file
+    loader = await config.load_kube_config(client_configuration=conf, persist_config=False)
+    return client.ApiClient(conf), config.refresh_token(loader, conf)  # exec and GCP tokens; else returns
 
 
 class PodDiscovery:
@@ -186,11 +188,13 @@ class PodDiscovery:
 
     async def start(self) -> None:
         """Load the credentials (a missing kubeconfig fails the start) and begin watching."""
-        self._api = await api_client()
+        self._api, refresh = await api_client()
         log.info("discovery: watching pods %s in %s", self.rules.list_selector or "(all)",
                  self.rules.namespace or "all namespaces")
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._follow()), loop.create_task(self._apply_changes())]
+        if refresh is not None:
+            self._tasks.append(loop.create_task(refresh))
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._adding.values())
