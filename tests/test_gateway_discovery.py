@@ -148,7 +148,7 @@ def test_pd_roles_from_selectors_and_bootstrap_port_from_annotation():
 # --- end to end: the gateway process against the loopback API ---------------------------------------
 
 @pytest.fixture(scope="module")
-def sims(request) -> Iterator[list[Any]]:
+def sims() -> Iterator[list[Any]]:
     from tests.conftest import _start_sim
 
     procs: list[Any] = []
