@@ -41,6 +41,7 @@ import ipaddress
 import logging
 import os
 import random
+import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ LIST_TIMEOUT = aiohttp.ClientTimeout(total=30, connect=10)
 # No byte for this long past the server's own end of a watch: the connection is dead.
 WATCH_TIMEOUT = aiohttp.ClientTimeout(total=WATCH_SECONDS + 30, connect=10)
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
+QUIET_WATCH_S = 10.0  # a watch that ends sooner with no event is a failure, not a quiet cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +219,10 @@ class PodDiscovery:
             try:
                 if self.resource_version is None:
                     await self._relist()
-                if await self._watch():
-                    continue  # the server ended a watch that delivered events: open the next one now
-                reason = "the watch ended without an event"
+                if await self._watch():  # the server ended a watch that worked: open the next one now
+                    self._failures = 0
+                    continue
+                reason = "the watch ended at once, with no event"
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -246,17 +249,18 @@ class PodDiscovery:
         self.metrics.discovery_connected.set(1)
         self._changed.set()
 
-    async def _watch(self) -> int:
-        """Events received until the server ended the watch; a dropped one raises."""
+    async def _watch(self) -> bool:
+        """Follow one watch until the server ends it (a dropped one raises). False when it ended
+        at once with no event, which is retried after a backoff rather than in a tight loop."""
         call, kwargs = self._list_call()
-        received = 0
+        received, started = 0, time.monotonic()
         async with watch.Watch() as stream:
             async for event in stream.stream(call, **kwargs, resource_version=self.resource_version,
                                              allow_watch_bookmarks=True, timeout_seconds=WATCH_SECONDS,
                                              _request_timeout=WATCH_TIMEOUT):
                 received += 1
                 self.on_event(event["type"], event["object"], event["raw_object"])
-        return received
+        return received > 0 or time.monotonic() - started >= QUIET_WATCH_S
 
     def on_event(self, kind: str, pod: Any, raw: Mapping[str, Any]) -> None:
         """One watch event (ERROR events never get here: the library raises them)."""
@@ -303,7 +307,7 @@ class PodDiscovery:
 
     def _remove(self, url: str) -> None:
         del self.owned[url]
-        log.info("discovery: %s no longer has a serving pod; removing it", url)
+        log.info("discovery: removing %s (its pod stopped serving, went away or changed)", url)
         try:
             self.registry.remove(url)
         except KeyError:  # removed through /remove_worker already
