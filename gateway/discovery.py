@@ -167,8 +167,12 @@ async def api_client() -> tuple[client.ApiClient, Coroutine[Any, Any, None] | No
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=conf)  # re-reads the token file as it rotates
         return client.ApiClient(conf), None
-    # persist_config=False: a refreshed token is never written back into the user's file
-    loader = await config.load_kube_config(client_configuration=conf, persist_config=False)
+    path = os.path.expanduser(os.environ.get("KUBECONFIG") or "~/.kube/config")
+    try:  # persist_config=False: a refreshed token is never written back into the user's file
+        loader = await config.load_kube_config(client_configuration=conf, persist_config=False)
+    except (config.ConfigException, OSError) as exc:
+        raise RuntimeError(f"--service-discovery: not in a pod (no KUBERNETES_SERVICE_HOST), and no usable "
+                           f"kubeconfig at {path}: {exc}") from None
     return client.ApiClient(conf), config.refresh_token(loader, conf)  # exec and GCP tokens; else returns
 
 

@@ -27,7 +27,7 @@ import pytest
 from tests.conftest import MODEL
 from tests.kube_api import NAMESPACE, POD_JSON, KubeAPI, make_pod, set_ready
 from tests.requires import need
-from tests.support import get_text, metric_value, request_json
+from tests.support import Proc, free_port, get_text, metric_value, request_json
 
 need("kubernetes_asyncio", "pip install -e '.[k8s]'")
 
@@ -312,3 +312,13 @@ def test_api_outage_keeps_workers_and_flag_workers_stay(sims, kube, gateway):
     _wait_workers(gw, {b.url}, "after the outage the watch resumes; the flag's worker stays")
     assert _metric(gw, "kvgate_discovery_connected") == 1
     assert len(kube.calls("list")) == 1
+
+
+def test_without_credentials_the_gateway_does_not_start(tmp_path: Path):
+    proc = Proc.python("gateway", "serve", "--port", str(free_port()), "--service-discovery", "--selector", "app=x",
+                       name="gateway", KUBECONFIG=str(tmp_path / "missing"), KUBERNETES_SERVICE_HOST="")
+    try:
+        assert proc.popen.wait(30) != 0
+        assert "no usable kubeconfig at" in proc.output(), proc.output()[-3000:]
+    finally:
+        proc.stop()
