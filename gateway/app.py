@@ -33,6 +33,7 @@ ADMIN_PATHS = ("/workers", "/add_worker", "/remove_worker", "/flush_cache", "/ab
 STATE: web.AppKey[GatewayState] = web.AppKey("kvgate", GatewayState)
 
 
+
 # --- middleware ---------------------------------------------------------------------------
 
 @web.middleware

@@ -21,7 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from gateway.config import GatewayConfig, WorkerSpec, load_yaml, workers_from_mapping
+from gateway.config import GatewayConfig, WorkerSpec, discovery_problem, load_yaml, workers_from_mapping
 from wire.options import OptionError
 
 log = logging.getLogger("kvgate")
@@ -98,6 +98,18 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
                    help="how often each process says what it has in flight; a peer silent for three is gone")
     g.add_argument("--shutdown-grace-secs", type=float)
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    k = p.add_argument_group("service discovery (Kubernetes; needs the 'k8s' extra)")
+    k.add_argument("--service-discovery", action="store_true", default=None,
+                   help="add and remove workers as pods matching the selectors become ready and go away")
+    k.add_argument("--selector", nargs="+", metavar="KEY=VALUE", help="labels of the worker pods")
+    k.add_argument("--prefill-selector", nargs="+", metavar="KEY=VALUE", help="labels of prefill pods (PD mode)")
+    k.add_argument("--decode-selector", nargs="+", metavar="KEY=VALUE", help="labels of decode pods (PD mode)")
+    k.add_argument("--service-discovery-port", type=int, help="the workers' HTTP port (default 80)")
+    k.add_argument("--service-discovery-port-name", metavar="NAME",
+                   help="take each pod's port from its container port of this name (else --service-discovery-port)")
+    k.add_argument("--service-discovery-namespace", help="namespace to watch (default: all, which needs a ClusterRole)")
+    k.add_argument("--bootstrap-port-annotation", metavar="KEY",
+                   help="pod annotation with a prefill worker's bootstrap port (default sglang.ai/bootstrap-port)")
 
 
 def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] | None = None) -> GatewayConfig:
@@ -124,7 +136,14 @@ def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] |
     workers += [WorkerSpec(url=item[0], role="decode") for item in getattr(args, "decode", None) or []]
     workers += extra_workers or []
     data["workers"] = workers
-    return GatewayConfig(**data)
+    try:
+        cfg = GatewayConfig(**data)
+    except ValueError as exc:  # a selector that is not key=value
+        raise SystemExit(f"kvgate: error: {exc}") from None
+    problem = discovery_problem(cfg)
+    if problem:
+        raise SystemExit(f"kvgate: error: {problem}")
+    return cfg
 
 
 def _install_uvloop() -> None:

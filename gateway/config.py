@@ -71,6 +71,53 @@ class GatewayConfig:
     state_heartbeat_secs: float = 1.0  # a peer silent for three is gone
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"
+    # Kubernetes worker discovery (gateway.discovery; sglang-router's flag names)
+    service_discovery: bool = False
+    selector: dict[str, str] = field(default_factory=dict)  # pods that are unified workers
+    prefill_selector: dict[str, str] = field(default_factory=dict)  # in PD mode
+    decode_selector: dict[str, str] = field(default_factory=dict)
+    service_discovery_port: int = 80  # the workers' HTTP port, where a pod names none
+    service_discovery_port_name: str | None = None  # a container port of this name gives the pod's port
+    service_discovery_namespace: str | None = None  # None: every namespace (needs a ClusterRole)
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"  # a prefill pod's bootstrap port
+
+    def __post_init__(self) -> None:
+        # Selectors arrive as flags (a list of key=value), YAML (a mapping, a list or one string)
+        # or a dict already: parsed here once, so everything after sees a dict.
+        self.selector = parse_selector(self.selector)
+        self.prefill_selector = parse_selector(self.prefill_selector)
+        self.decode_selector = parse_selector(self.decode_selector)
+
+
+def parse_selector(value: Any) -> dict[str, str]:
+    """A label selector of equality terms: a mapping, or ``key=value`` items given as a list
+    and/or separated by spaces or commas (sglang-router takes ``--selector a=b c=d``, kubectl
+    ``-l a=b,c=d``)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    items = [value] if isinstance(value, str) else list(value)
+    out: dict[str, str] = {}
+    for term in (t for item in items for t in str(item).replace(",", " ").split()):
+        key, sep, val = term.replace("==", "=").partition("=")
+        if not sep or not key or key.endswith("!") or "=" in val:  # only equality terms
+            raise ValueError(f"label selector term {term!r}: expected key=value")
+        out[key] = val
+    return out
+
+
+def discovery_problem(cfg: GatewayConfig) -> str | None:
+    """Why the discovery options cannot work together, or None when they can."""
+    if not cfg.service_discovery:
+        return None
+    if cfg.pd_disaggregation and not (cfg.prefill_selector or cfg.decode_selector):
+        return "--service-discovery with --pd-disaggregation needs --prefill-selector and/or --decode-selector"
+    if not cfg.pd_disaggregation and not cfg.selector:
+        return "--service-discovery needs --selector key=value ..."
+    if not 0 < cfg.service_discovery_port < 65536:
+        return f"--service-discovery-port {cfg.service_discovery_port} is not a TCP port"
+    return None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

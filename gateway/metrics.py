@@ -106,6 +106,15 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("kvgate_prompt_tokens_total", "Prompt tokens reported by engines", registry=r)
         self.cached_tokens = Counter("kvgate_cached_tokens_total", "Cached prompt tokens reported by engines", registry=r)
         self.predicted_cached = Counter("kvgate_predicted_cached_tokens_total", "Cached tokens the policy predicted", registry=r)
+        # Kubernetes discovery (gateway.discovery); zero and unchanging without --service-discovery
+        self.discovery_connected = Gauge("kvgate_discovery_connected",
+                                         "1 while the last Kubernetes API call for pods succeeded, 0 while "
+                                         "the API is unreachable (the workers found before are kept)", registry=r)
+        self.discovery_events = Counter("kvgate_discovery_events_total", "Pod watch events received, by type",
+                                        ["type"], registry=r)
+        self.discovery_relists = Counter("kvgate_discovery_relists_total",
+                                         "Full pod lists taken (at start, and after a 410 Gone)", registry=r)
+        self.discovery_workers = Gauge("kvgate_discovery_workers", "Workers registered from ready pods", registry=r)
         # per-request children (label values are str()-ed by prometheus-client, so a status may be an int)
         self.requests_by = _Children(self.requests)
         self.routed_to = _Children(self.routed)

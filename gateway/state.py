@@ -63,6 +63,7 @@ class GatewayState:
         self.session = None  # created on startup, inside the running loop
         self._checks: dict[str, asyncio.Task] = {}  # tokenizer checks in flight, by worker url
         self.peers: Peers | None = None
+        self.discovery: Any = None  # gateway.discovery.PodDiscovery with --service-discovery
         self.registry: WorkerRegistry
         self.proxy: Proxy
 
@@ -100,6 +101,9 @@ class GatewayState:
             await policy.start()
         await asyncio.gather(*(self.registry.add(spec) for spec in cfg.workers))
         self.registry.start()
+        if cfg.service_discovery:
+            self.discovery = _discovery(cfg, self.registry, self.metrics)
+            await self.discovery.start()
         if self.peers is not None:  # after the workers: a peer's records name them
             self.peers.freed = self.proxy.attempts.freed
             await self.peers.start()
@@ -109,6 +113,8 @@ class GatewayState:
             await self.peers.stop()
         for task in list(self._checks.values()):
             task.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.registry.stop()
         for policy in {id(p): p for p in self.policies.values()}.values():
             await policy.stop()
@@ -144,3 +150,13 @@ class GatewayState:
         if worker.url in self.registry.workers:
             for kind, same in found.items():
                 self.metrics.tokenizer_match.labels(worker.url, kind).set(1 if same else 0)
+
+
+def _discovery(cfg: GatewayConfig, registry: WorkerRegistry, metrics: GatewayMetrics) -> Any:
+    """Imported here: the Kubernetes client is an optional extra, loaded only when asked for."""
+    try:
+        from gateway.discovery import PodDiscovery
+    except ImportError as exc:
+        raise RuntimeError(f"--service-discovery needs the Kubernetes client: pip install 'kvgate[k8s]' ({exc})") \
+            from None
+    return PodDiscovery(cfg, registry, metrics)

@@ -129,6 +129,25 @@ def test_gateway_commands_parse_with_the_gateway_cli():
         assert cfg.host == "0.0.0.0" and cfg.port == 30000 and cfg.policy == "cost"
 
 
+def test_kubernetes_example_grants_discovery_what_it_asks_for():
+    """docker/kubernetes.yml: the gateway's arguments parse with its CLI, and its service account
+    may get, list and watch pods in the namespace it watches (no API server here to apply it to)."""
+    import gateway.cli as cli
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DOCKER / "kubernetes.yml").read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    cfg = cli.config_from_args(cli.build_parser().parse_args([str(a) for a in pod["containers"][0]["args"]]))
+    assert cfg.service_discovery and cfg.selector and cfg.service_discovery_port_name == "http"
+    namespace = cfg.service_discovery_namespace
+    role, binding = docs["Role"], docs["RoleBinding"]
+    assert {d["metadata"]["namespace"] for d in docs.values()} == {namespace}
+    assert any(r["apiGroups"] == [""] and "pods" in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"])
+               for r in role["rules"])
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": namespace} in binding["subjects"]
+    assert docs["ServiceAccount"]["metadata"]["name"] == pod["serviceAccountName"]
+
+
 def test_sim_workers_parse_with_the_simulator_cli():
     import simulator.config as config
     services = load("compose.sim.yml")["services"]
