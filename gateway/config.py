@@ -6,6 +6,7 @@ by changing the binary name.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,21 @@ class GatewayConfig:
     strict_models: bool = True  # unknown model -> 404
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"
+    processes: int = 1  # event-loop processes on the one port (gateway.processes); "auto": one per usable CPU
+
+    def __post_init__(self) -> None:
+        self.processes = process_count(self.processes)
+
+
+def process_count(value: int | str) -> int:
+    """``--processes``/``processes:``: a positive count, or ``auto`` for the CPUs this process may run on."""
+    if value == "auto":
+        return len(os.sched_getaffinity(0))
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"processes must be a positive integer or 'auto', not {value!r}")
+    return value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
