@@ -18,7 +18,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from gateway import __version__, tokenizer_check
+from gateway import __version__, group, tokenizer_check
 from gateway.admission import Admission
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
@@ -54,6 +54,7 @@ class GatewayState:
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
+        self.process_index = group.process_index()  # slot in a process group (gateway.group); 0 alone
         self.metrics = GatewayMetrics()
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
@@ -87,9 +88,17 @@ class GatewayState:
     def draining(self) -> bool:
         return self.drain.draining
 
+    def _scrape_gauges(self) -> None:
+        for worker in self.registry.workers.values():
+            self.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
+        self.metrics.queue_depth.set(self.admission.queued)
+        self.metrics.held_now.set(self.proxy.holds.held)
+        if self.encoder is not None:
+            self.metrics.tokenized_off_loop.set(self.encoder.offloaded)
+
     async def start(self) -> None:
         cfg = self.cfg
-        self.metrics.registry.register(ProcessCollector(asyncio.get_running_loop()))
+        self.metrics.add_local(ProcessCollector(asyncio.get_running_loop()))
         self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
                                     limit_per_host=cfg.max_connections_per_worker)
         self.registry = WorkerRegistry(cfg, self.session)
@@ -109,8 +118,13 @@ class GatewayState:
             await policy.start()
         await asyncio.gather(*(self.registry.add(spec) for spec in cfg.workers))
         self.registry.start()
+        self.metrics.before_scrape = self._scrape_gauges
+        if self.metrics.group is not None:
+            self.metrics.group.start(self._scrape_gauges)
 
     async def stop(self) -> None:
+        if self.metrics.group is not None:
+            self.metrics.group.stop()
         for task in list(self._checks.values()):
             task.cancel()
         await self.registry.stop()
@@ -276,12 +290,6 @@ async def readiness(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
-    for worker in state.registry.workers.values():
-        state.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
-    state.metrics.queue_depth.set(state.admission.queued)
-    state.metrics.held_now.set(state.proxy.holds.held)
-    if state.encoder is not None:
-        state.metrics.tokenized_off_loop.set(state.encoder.offloaded)
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
