@@ -197,6 +197,8 @@ async def error_middleware(request: web.Request, handler):
     finally:
         if counted:
             state.drain.leave()
+    if state.drain.retiring:  # the client reconnects, to a process that stays (gateway.group)
+        response.force_close()
     state.metrics.requests_by(route, response.status).inc()
     if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
         log.debug("%s %s -> %d", request.method, route, response.status)

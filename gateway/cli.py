@@ -169,7 +169,7 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     await stop.wait()
     drain = app[STATE].drain
     if retiring:  # another member takes this one's place: the group's port keeps accepting
-        await group.stop_accepting(runner, site)
+        await group.stop_accepting(runner, site, drain)
     log.info("shutting down: finishing %d in-flight requests (grace %gs)", drain.in_flight, cfg.shutdown_grace_secs)
     if not await drain.drain(cfg.shutdown_grace_secs):
         log.warning("grace period over with %d requests in flight: cancelling them", drain.in_flight)

@@ -15,8 +15,8 @@ The supervisor (``gateway.processes``) starts each member with these environment
 A process started without ``KVGATE_PROCESS_INDEX`` is alone: index 0, nothing here changes it.
 
 Signals a member handles besides SIGTERM/SIGINT (drain, as a lone gateway does):
-``RETIRE_SIGNAL`` stops accepting at once, lets in-flight requests finish within the grace
-period and exits (the supervisor's rolling reload); SIGHUP is ignored (it is the
+``RETIRE_SIGNAL`` stops accepting at once (``stop_accepting``), lets in-flight requests
+finish within the grace period and exits (the supervisor's rolling reload); SIGHUP is ignored (it is the
 supervisor's, and a hang-up of the terminal must not take members down one by one).
 """
 
@@ -30,12 +30,15 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from gateway.drain import Drain
+
 INDEX_ENV = "KVGATE_PROCESS_INDEX"
 SIZE_ENV = "KVGATE_PROCESSES"
 LISTEN_FD_ENV = "KVGATE_LISTEN_FD"
 READY_FD_ENV = "KVGATE_READY_FD"
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RETIRE_SIGNAL = signal.SIGUSR1
+RETIRE_LINGER_SECS = 1.0  # a retiring member's open connections get this long to see a Connection: close
 
 
 def process_index() -> int:
@@ -75,9 +78,22 @@ def notify_ready() -> None:
             os.close(int(fd))
 
 
-async def stop_accepting(runner: web.AppRunner, listening: web.BaseSite) -> None:
-    """Leave the group's listening socket to the others and close keep-alive connections after
-    their current request, so clients reconnect to a member that stays; in-flight requests go on."""
+async def stop_accepting(runner: web.AppRunner, listening: web.BaseSite, drain: Drain) -> None:
+    """Leave new connections to the other members and move the clients of open ones over.
+
+    Requests that come on open keep-alive connections are still served, each answer with
+    ``Connection: close`` (a busy client reconnects after its next answer, to another
+    member). After ``RETIRE_LINGER_SECS`` what is still open is either busy, and closes after
+    its current request, or idle, and is closed now (a client that sends on it at that
+    very moment sees the connection close, as with any server closing idle keep-alive
+    connections). In-flight requests go on; ``Drain.drain`` waits for them."""
     await listening.stop()
-    if runner.server is not None:
-        runner.server.pre_shutdown()
+    drain.retiring = True
+    server = runner.server
+    if server is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RETIRE_LINGER_SECS
+    while server.connections and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    server.pre_shutdown()

@@ -12,12 +12,10 @@ pipe are plain ``pass_fds``. The configuration the supervisor resolved (flags, Y
 workers ``kvgate up`` started) travels as a JSON file in the group's private run directory;
 a reload writes a new one, so a member that is replaced later starts from the newest.
 
-Listening: ``listen="shared"`` (the default) binds the port once in the supervisor and every
-member accepts from that one socket; ``"reuseport"`` lets each member bind its own with
-``SO_REUSEPORT``. ``bench/listen_modes.py`` measured both (docs/processes.md has the figures):
-the shared socket loses no connection when a member retires or dies, because closing a
-member's copy leaves the connections queued in the one accept queue to the others, while
-a ``SO_REUSEPORT`` socket resets those queued on it when it closes.
+Listening (``gateway.listeners``): by default the supervisor binds one ``SO_REUSEPORT``
+socket per slot, which the member of that slot inherits and a reload hands on to its
+replacement, so the kernel spreads connections evenly and no queued connection is lost
+when a member retires.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -39,6 +36,7 @@ import msgspec
 
 from gateway import group
 from gateway.config import GatewayConfig
+from gateway.listeners import Listeners
 
 log = logging.getLogger("kvgate.processes")
 
@@ -66,18 +64,15 @@ class Member:
 class Supervisor:
     """Owns the members of one group; ``run`` returns the exit status of the group."""
 
-    def __init__(self, cfg: GatewayConfig, reload: Callable[[], GatewayConfig], listen: str = "shared") -> None:
-        if listen not in ("shared", "reuseport"):
-            raise ValueError(f"listen must be 'shared' or 'reuseport', not {listen!r}")
+    def __init__(self, cfg: GatewayConfig, reload: Callable[[], GatewayConfig], listen: str = "reuseport") -> None:
+        self.listeners = Listeners(listen, cfg.host, cfg.port, cfg.processes)
         self.cfg = cfg
         self.reload_config = reload
-        self.listen = listen
         self.size = cfg.processes
         self.slots: list[Member | None] = [None] * self.size
         self.members: set[Member] = set()  # every live process, retiring ones included
         self.deaths = [0] * self.size  # deaths in a row per slot, for the backoff
         self.stopping = asyncio.Event()
-        self.sock: socket.socket | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvgate-group-"))
         self.metrics_dir = self.run_dir / "metrics"
         self.metrics_dir.mkdir()
@@ -96,8 +91,7 @@ class Supervisor:
             # Resources every member shares are started here, before the first member, and
             # stopped after the last one has exited.
             await start_group_services(self.cfg, self.run_dir)
-            if self.listen == "shared":
-                self.sock = bind(self.cfg.host, self.cfg.port)
+            self.listeners.open()
             code = await self._serve()
         except OSError as exc:  # the port: taken, or an address this host does not have
             log.error("cannot listen on %s:%d: %s", self.cfg.host, self.cfg.port, exc)
@@ -105,8 +99,7 @@ class Supervisor:
         finally:
             await self._stop_all()
             await stop_group_services()
-            if self.sock is not None:
-                self.sock.close()
+            self.listeners.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return code
 
@@ -128,8 +121,8 @@ class Supervisor:
                     return failed[0].code if isinstance(failed[0], StartFailed) else 1
             if self.stopping.is_set():
                 return 0
-            log.info("kvgate group of %d processes serving on http://%s:%d (%s socket)", self.size,
-                     self.cfg.host, self.cfg.port, self.listen)
+            log.info("kvgate group of %d processes serving on http://%s:%d (listening: %s)", self.size,
+                     self.cfg.host, self.listeners.port, self.listeners.mode)
             self._spawn(self._reloads())
             await stop
             return 0
@@ -165,9 +158,16 @@ class Supervisor:
         env = {**os.environ, group.INDEX_ENV: str(index), group.SIZE_ENV: str(self.size),
                group.READY_FD_ENV: str(write_fd), group.METRICS_DIR_ENV: str(self.metrics_dir)}
         fds = [write_fd]
-        if self.sock is not None:
-            env[group.LISTEN_FD_ENV] = str(self.sock.fileno())
-            fds.append(self.sock.fileno())
+        try:
+            sock = self.listeners.for_slot(index)
+        except OSError as exc:
+            os.close(read_fd)
+            os.close(write_fd)
+            log.error("process %d: cannot listen on %s:%d: %s", index, self.cfg.host, self.cfg.port, exc)
+            raise StartFailed(index, 1) from None
+        if sock is not None:
+            env[group.LISTEN_FD_ENV] = str(sock.fileno())
+            fds.append(sock.fileno())
         try:
             proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.processes",
                                                         str(self.config_path), env=env, pass_fds=fds)
@@ -211,6 +211,7 @@ class Supervisor:
             self.deaths[member.index] = 0
         log.error("process %d (pid %d) died (exit status %d)", member.index, member.proc.pid, code)
         self.slots[member.index] = None
+        self.listeners.release(member.index)
         await self._replace(member.index)
 
     async def _replace(self, index: int) -> None:
@@ -226,6 +227,7 @@ class Supervisor:
                 return
             except StartFailed as exc:
                 log.error("%s", exc)
+                self.listeners.release(index)
 
     def _gone(self, member: Member) -> None:
         if member in self.members:
@@ -297,21 +299,6 @@ async def stop_group_services() -> None:
     """Stop what ``start_group_services`` started."""
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The group's listening socket, inherited by every member."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(4096)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def signal_member(member: Member, sig: int) -> None:
     if member.proc.returncode is None:
         try:
@@ -336,7 +323,7 @@ async def _read_once(fd: int) -> bool:
         loop.remove_reader(fd)
 
 
-def supervise(cfg: GatewayConfig, reload: Callable[[], GatewayConfig], listen: str = "shared") -> int:
+def supervise(cfg: GatewayConfig, reload: Callable[[], GatewayConfig], listen: str = "reuseport") -> int:
     return asyncio.run(Supervisor(cfg, reload, listen).run())
 
 
