@@ -300,9 +300,11 @@ async def stop_group_services() -> None:
 
 
 def signal_member(member: Member, sig: int) -> None:
+    """``os.kill``, not ``Process.send_signal``: the latter polls, which reaps an exited member
+    before asyncio's child watcher does, and the watcher then reports exit status 255."""
     if member.proc.returncode is None:
         try:
-            member.proc.send_signal(sig)
+            os.kill(member.proc.pid, sig)
         except ProcessLookupError:
             pass
 
