@@ -133,7 +133,7 @@ def test_sigterm_drains_every_member_and_exits_0(start_sim):
 
 
 def test_sighup_reload_replaces_members_without_a_failed_request(start_sim):
-    sim = start_sim("--time-scale", "50")
+    sim = start_sim("--time-scale", "5")
     proc = start_group(sim.url)
     try:
         before = members(proc)
@@ -145,13 +145,23 @@ def test_sighup_reload_replaces_members_without_a_failed_request(start_sim):
             while not stop.is_set() and len(statuses) < 3000 and time.monotonic() < deadline:
                 statuses.append(chat(proc.url))
 
+        async def reload_with_streams() -> list[list[bytes]]:
+            """Streams in flight keep the old members busy while the reload retires them."""
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                flags = [asyncio.Event() for _ in range(6)]
+                tasks = [asyncio.create_task(read_stream(s, proc.url + "/v1/chat/completions", 600, f))
+                         for f in flags]
+                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 20)
+                os.kill(proc.popen.pid, signal.SIGHUP)
+                await asyncio.to_thread(wait_members, proc, 2, 30.0, before)
+                return await asyncio.gather(*tasks)
+
         client = threading.Thread(target=load)
         client.start()
         try:
             while len(statuses) < 20 and client.is_alive():
                 time.sleep(0.02)
-            os.kill(proc.popen.pid, signal.SIGHUP)
-            after = wait_members(proc, 2, changed=before)
+            streams = asyncio.run(reload_with_streams())
             deadline = time.monotonic() + 30
             while "reload: done" not in proc.output() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -163,13 +173,16 @@ def test_sighup_reload_replaces_members_without_a_failed_request(start_sim):
             client.join(30)
         assert "reload: done" in proc.output()
         assert statuses.count(200) == len(statuses) > 40, [s for s in statuses if s != 200][:10]
+        for events in streams:  # the retired members finished what they had
+            assert events[-1] == b"data: [DONE]", events[-3:]
+        after = members(proc)
         assert set(after.values()).isdisjoint(before.values())
         deadline = time.monotonic() + 15
         while any(Path(f"/proc/{pid}").exists() for pid in before.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(Path(f"/proc/{pid}").exists() for pid in before.values())  # drained, exited, reaped
         # the replaced members' counts stay in the group's sums
-        assert group_metric(proc, "kvgate_requests_total", route="/v1/chat/completions") == len(statuses)
+        assert group_metric(proc, "kvgate_requests_total", route="/v1/chat/completions") == len(statuses) + 6
     finally:
         assert proc.stop() == 0, proc.output()[-4000:]
 
