@@ -5,8 +5,8 @@ Variants (all in front of the same stub process(es), all alive for the whole run
 - ``direct``        the stub itself (baseline)
 - ``kvgate``        ``python -m gateway serve --policy round_robin``
 - ``sglang-router`` ``python -m sglang_router.launch_router --policy round_robin`` (Rust)
-- ``smg``           ``python -m smg launch --policy round_robin``: SMG, sglang-router's successor (Rust),
-                    from the interpreter ``--smg-python`` names (an environment with the ``smg`` package)
+- ``smg``           ``python -m smg launch --policy round_robin``: the ``smg`` package (Rust; 1.13 was
+                    measured), from the interpreter ``--smg-python`` names
 - ``kvgate-pN``     ``kvgate serve --processes N``, one variant per N in ``--kvgate-processes``
 - ``aiohttp-min``   ``bench/proxy_variants.py aiohttp``: bare aiohttp.web proxy
 - ``starlette-min`` ``bench/proxy_variants.py starlette``: Starlette+uvicorn proxy, same client
