@@ -163,6 +163,8 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
         loop.add_signal_handler(sig, stop.set)
     if member:
         group.on_signals(loop, lambda: (retiring.append(True), stop.set()))
+        orphaned = loop.create_task(group.until_orphaned(os.getppid()))
+        orphaned.add_done_callback(lambda _t: stop.set())
         group.notify_ready()
     if ready is not None:
         ready.set()

@@ -38,6 +38,7 @@ LISTEN_FD_ENV = "KVGATE_LISTEN_FD"
 READY_FD_ENV = "KVGATE_READY_FD"
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RETIRE_SIGNAL = signal.SIGUSR1
+ORPHAN_CHECK_SECS = 1.0
 RETIRE_LINGER_SECS = 1.0  # a retiring member's open connections get this long to see a Connection: close
 
 
@@ -66,6 +67,13 @@ def site(runner: web.AppRunner, host: str, port: int, backlog: int) -> web.BaseS
 def on_signals(loop: asyncio.AbstractEventLoop, retire: Callable[[], None]) -> None:
     loop.add_signal_handler(RETIRE_SIGNAL, retire)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+async def until_orphaned(supervisor: int) -> None:
+    """Returns once the supervisor is gone (killed with no chance to stop its members), so
+    that the member drains and exits rather than serve on unsupervised."""
+    while os.getppid() == supervisor:
+        await asyncio.sleep(ORPHAN_CHECK_SECS)
 
 
 def notify_ready() -> None:

@@ -75,6 +75,14 @@ def chat(url: str, timeout: float = 10.0) -> int:
         return 0
 
 
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie its new parent has not reaped yet."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def group_metric(proc: Proc, name: str, **labels: str) -> float:
     return metric_value(get_text(proc.url + "/metrics"), name, **labels)
 
@@ -178,9 +186,9 @@ def test_sighup_reload_replaces_members_without_a_failed_request(start_sim):
         after = members(proc)
         assert set(after.values()).isdisjoint(before.values())
         deadline = time.monotonic() + 15
-        while any(Path(f"/proc/{pid}").exists() for pid in before.values()) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in before.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(Path(f"/proc/{pid}").exists() for pid in before.values())  # drained, exited, reaped
+        assert not any(alive(pid) for pid in before.values())  # drained and exited
         # the replaced members' counts stay in the group's sums
         assert group_metric(proc, "kvgate_requests_total", route="/v1/chat/completions") == len(statuses) + 6
     finally:
@@ -236,6 +244,21 @@ def test_killed_member_fails_its_client_and_is_replaced(start_sim):
         assert [chat(proc.url) for _ in range(30)] == [200] * 30
     finally:
         assert proc.stop() == 0, proc.output()[-4000:]
+
+
+def test_members_of_a_killed_supervisor_exit(start_sim):
+    sim = start_sim("--time-scale", "50")
+    proc = start_group(sim.url, "--shutdown-grace-secs", "5")
+    try:
+        pids = list(members(proc).values())
+        os.kill(proc.popen.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids), proc.output()[-4000:]
+        assert "kvgate[0]: shut down" in proc.output() and "kvgate[1]: shut down" in proc.output()
+    finally:
+        proc.stop()
 
 
 def test_a_member_that_cannot_start_stops_the_group_with_its_status(start_sim):
