@@ -5,8 +5,8 @@ The supervisor (``gateway.processes``) starts each member with these environment
 - ``KVGATE_PROCESS_INDEX``: the member's slot, 0..N-1; a replacement takes the slot of the
   process it replaces, so two processes share an index for the moment a reload overlaps them.
 - ``KVGATE_PROCESSES``: N.
-- ``KVGATE_LISTEN_FD``: the listening socket the supervisor bound, inherited (every member
-  accepts from it); without it the member binds the port itself with ``SO_REUSEPORT``.
+- ``KVGATE_LISTEN_FD``: the inherited listening socket of its slot (``gateway.listeners``);
+  without it the member binds the port itself with ``SO_REUSEPORT``.
 - ``KVGATE_READY_FD``: the write end of a pipe; one byte on it tells the supervisor that this
   member is listening with its workers registered.
 - ``PROMETHEUS_MULTIPROC_DIR``: where prometheus-client keeps every member's metric values,

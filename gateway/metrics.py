@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from gateway import group
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway import group
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -104,7 +105,7 @@ class GatewayMetrics:
         self.ttft_of = _Children(self.ttft)
         self.policy_sources: list[tuple[str, Callable[[], Mapping[str, float]]]] = []
         self.tokenizer_stats: Callable[[], Mapping[str, float]] | None = None
-        self.local: list = []  # collectors whose numbers are this process's alone
+        self.local: list[Collector] = []  # collectors whose numbers are this process's alone
         self.add_local(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
         self.add_local(_TokenizerCollector(self))
         path = group.metrics_dir()
@@ -114,7 +115,7 @@ class GatewayMetrics:
 
             self.group = GroupMetrics(path, group.process_index(), self.local, self.requests)
 
-    def add_local(self, collector) -> None:
+    def add_local(self, collector: Collector) -> None:
         self.registry.register(collector)
         self.local.append(collector)
 
