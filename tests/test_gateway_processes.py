@@ -36,7 +36,11 @@ def start_group(sim_url: str, *extra: str, processes: int = 2, tmp_path: Path | 
         source = ["--processes", str(processes), "--worker-urls", sim_url, "--policy", "round_robin"]
     proc = serve([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", FREE_PORT, *source,
                   "--health-check-interval-secs", "0.5", *extra], "/readiness", name="group")
-    wait_members(proc, processes)
+    try:
+        wait_members(proc, processes)
+    except BaseException:
+        proc.stop()
+        raise
     return proc
 
 
