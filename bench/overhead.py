@@ -5,6 +5,9 @@ Variants (all in front of the same stub process(es), all alive for the whole run
 - ``direct``        the stub itself (baseline)
 - ``kvgate``        ``python -m gateway serve --policy round_robin``
 - ``sglang-router`` ``python -m sglang_router.launch_router --policy round_robin`` (Rust)
+- ``smg``           ``python -m smg launch --policy round_robin``: the ``smg`` package (Rust; 1.13 was
+                    measured), from the interpreter ``--smg-python`` names
+- ``kvgate-pN``     ``kvgate serve --processes N``, one variant per N in ``--kvgate-processes``
 - ``aiohttp-min``   ``bench/proxy_variants.py aiohttp``: bare aiohttp.web proxy
 - ``starlette-min`` ``bench/proxy_variants.py starlette``: Starlette+uvicorn proxy, same client
 
@@ -16,8 +19,8 @@ variants interleaved inside every repetition (so slow drifts in machine load hit
 - ``sseN``  streamed chat completions of N chunks (``max_tokens=N`` tells the stub how many)
             at ``--concurrency`` connections: streams/s and SSE chunks/s (events counted)
 
-Pinning: the load generator runs on ``--load-cpu``, every server (stubs and routers) on
-``--server-cpus``, the same for every variant. Medians over repetitions are reported.
+Pinning: the load generator runs on ``--load-cpu``, every router on ``--server-cpus``, the
+same for every variant, and the stubs there too unless ``--stub-cpus`` gives them their own. Medians over repetitions are reported.
 Results are printed and written into a marked section of ``bench/RESULTS.md``.
 
     PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead            # ~4 min
@@ -30,7 +33,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -39,17 +41,16 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
-from bench.host import cpu_name
+from bench.tables import machine, markdown, plain, versions, write_results  # noqa: F401 (bench.micro uses them from here)
 from tests.support import ROOT, Proc, child_env, free_port
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 LUA = ROOT / "bench" / "wrk_post.lua"
 MODEL = "stub-model"
 ROUTE = "/v1/chat/completions"
-VARIANTS = ("direct", "kvgate", "sglang-router", "aiohttp-min", "starlette-min")
+VARIANTS = ("direct", "kvgate", "sglang-router", "smg", "aiohttp-min", "starlette-min")
 
 
 def body(stream_chunks: int | None) -> str:
@@ -73,12 +74,12 @@ def _pinned(cpus: str, argv: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *argv] if cpus else argv
 
 
-def _start(name: str, cpus: str, *argv: str, tree: Path | None = None) -> Proc:
+def _start(name: str, cpus: str, *argv: str, tree: Path | None = None, python: str = sys.executable) -> Proc:
     env, flags = child_env(), []
     if tree is not None:  # another checkout of kvgate first on the path (-P: not the cwd): before/after
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{env['PYTHONPATH']}"
         flags = ["-P"]
-    return Proc(_pinned(cpus, [sys.executable, *flags, "-m", *argv]), env=env, name=name)
+    return Proc(_pinned(cpus, [python, *flags, "-m", *argv]), env=env, name=name)
 
 
 def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
@@ -100,13 +101,15 @@ def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
 
 
 def start_variants(names: list[str], stubs: int, cpus: str, started: list[Proc],
-                   kvgate_ref: Path | None = None) -> list[Variant]:
+                   kvgate_ref: Path | None = None, stub_cpus: str | None = None,
+                   smg_python: str = sys.executable) -> list[Variant]:
     """Every process goes into ``started`` as soon as it exists, so the caller stops them all
     even when a later one fails to come up."""
     stub_procs, stub_urls = [], []
     for i in range(stubs):
         port = free_port()
-        stub_procs.append(_start(f"stub{i}", cpus, "bench.stub_backend", "--port", str(port), "--chunks", "16"))
+        stub_procs.append(_start(f"stub{i}", cpus if stub_cpus is None else stub_cpus, "bench.stub_backend",
+                                 "--port", str(port), "--chunks", "16"))
         started.append(stub_procs[-1])
         stub_urls.append(f"http://127.0.0.1:{port}")
     for proc, url in zip(stub_procs, stub_urls):
@@ -118,14 +121,17 @@ def start_variants(names: list[str], stubs: int, cpus: str, started: list[Proc],
             variants.append(Variant(name, stub_urls[0], stub_procs[:1]))
             continue
         port = free_port()
-        if name in ("kvgate", "kvgate-ref"):
+        if name in ("kvgate", "kvgate-ref") or name.startswith("kvgate-p"):
+            processes = ["--processes", name.removeprefix("kvgate-p")] if name.startswith("kvgate-p") else []
             proc = _start(name, cpus, "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
                           "--policy", "round_robin", "--log-level", "warning", "--worker-urls", *stub_urls,
-                          tree=kvgate_ref if name == "kvgate-ref" else None)
-        elif name == "sglang-router":
-            proc = _start(name, cpus, "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                          *processes, tree=kvgate_ref if name == "kvgate-ref" else None)
+        elif name in ("sglang-router", "smg"):  # SMG takes sglang-router's flags
+            module = ("smg", "launch") if name == "smg" else ("sglang_router.launch_router",)
+            proc = _start(name, cpus, *module, "--host", "127.0.0.1", "--port", str(port),
                           "--policy", "round_robin", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
-                          "--prometheus-port", str(free_port()), "--worker-urls", *stub_urls)
+                          "--prometheus-port", str(free_port()), "--worker-urls", *stub_urls,
+                          python=smg_python if name == "smg" else sys.executable)
         elif name in ("aiohttp-min", "starlette-min"):
             proc = _start(name, cpus, "bench.proxy_variants", name.split("-")[0], "--port", str(port),
                           "--upstream", *stub_urls)
@@ -157,9 +163,9 @@ def group_cpu_seconds(pgids: list[int]) -> float:
 
 
 def run_load(loadgen: str, cpu: str, url: str, req_body: str, connections: int, seconds: int,
-             count_events: bool) -> dict[str, float]:
+             count_events: bool, threads: int = 1) -> dict[str, float]:
     if loadgen == "wrk":
-        argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(LUA), url + ROUTE]
+        argv = ["wrk", f"-t{min(threads, connections)}", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(LUA), url + ROUTE]
         env = {**os.environ, "BODY": req_body, "COUNT_EVENTS": "1" if count_events else "0"}
     else:
         argv = [sys.executable, "-m", "bench.loadgen", "--url", url + ROUTE, "--body", req_body,
@@ -180,34 +186,6 @@ def median(rows: list[dict[str, float]], key: str) -> float:
 
 
 # --- reporting --------------------------------------------------------------------------------
-
-def machine() -> str:
-    model = cpu_name()
-    try:
-        mem_kb = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
-                      if ln.startswith("MemTotal"))
-        mem = f"{mem_kb / 2**20:.0f} GiB RAM"
-    except (OSError, StopIteration, ValueError):
-        mem = "? RAM"
-    return f"{model}, {os.cpu_count()} CPUs (nproc), {mem}, {platform.platform()}"
-
-
-def versions() -> str:
-    parts = [f"python {platform.python_version()}"]
-    for dist in ("aiohttp", "uvloop", "msgspec", "prometheus-client", "starlette", "uvicorn", "httptools",
-                 "sglang-router"):
-        try:
-            parts.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{dist} (missing)")
-    wrk = subprocess.run(["wrk", "--version"], capture_output=True, text=True)
-    parts.append((wrk.stdout or wrk.stderr).split(" [")[0].strip() or "wrk ?")
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "gateway"],
-                           capture_output=True, text=True).stdout.strip()
-    parts.append(f"kvgate {rev.stdout.strip() or '(not a git checkout)'}{'+dirty' if dirty else ''}")
-    return ", ".join(parts)
-
 
 def table(results: dict[str, dict[str, list[dict[str, float]]]], tests: list[str]) -> list[list[str]]:
     """One row per variant, one column group per test that ran."""
@@ -252,6 +230,8 @@ def ratios(results, chunks: list[int]) -> list[str]:
         if a in results and b in results and test in results[a] and test in results[b]:
             out.append(f"{label}: {median(results[a][test], key) / median(results[b][test], key):.2f}x")
 
+    for name in [n for n in results if n.startswith("kvgate-p")] + ["smg"]:
+        ratio(name, "sglang-router", "rps", "rps", f"{name} / sglang-router, non-stream req/s")
     ratio("kvgate", "sglang-router", "rps", "rps", "kvgate / sglang-router, non-stream req/s")
     ratio("kvgate", "sglang-router", "rps", "cpu_us", "kvgate / sglang-router, non-stream CPU per request")
     for n in chunks:
@@ -268,38 +248,16 @@ def ratios(results, chunks: list[int]) -> list[str]:
     return out
 
 
-def markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(lines)
-
-
-def plain(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
-
-
-def write_results(section: str, path: Path, name: str, script: str = "bench/overhead.py") -> None:
-    """Replace this run's marked section (by ``--section``) and leave the rest of the file alone."""
-    text = path.read_text() if path.exists() else "# kvgate benchmark results\n"
-    tag = script + ("" if name == "main" else f":{name}")
-    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
-    block = f"{begin}\n{section.strip()}\n{end}"
-    if begin in text and end in text:
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--kvgate-ref", type=Path, metavar="DIR",
                    help="also run the kvgate found in DIR (e.g. `git archive main | tar -x -C DIR`) as 'kvgate-ref'")
-    p.add_argument("--stubs", type=int, default=1, choices=(1, 2), help="stub backend processes behind each router")
+    p.add_argument("--stubs", type=int, default=1, help="stub backend processes behind each router")
+    p.add_argument("--kvgate-processes", type=int, nargs="+", default=[], metavar="N",
+                   help="also run `kvgate serve --processes N` as 'kvgate-pN', for each N")
+    p.add_argument("--smg-python", default=sys.executable,
+                   help="the interpreter whose environment has the smg package, for the 'smg' variant")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--duration", type=int, default=3, help="seconds per throughput run")
     p.add_argument("--latency-duration", type=int, default=2, help="seconds per 1-connection latency run")
@@ -310,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loadgen", choices=("wrk", "aiohttp"), default="wrk")
     p.add_argument("--load-cpu", default="0", help="taskset CPU list for the load generator ('' = no pinning)")
     p.add_argument("--server-cpus", default="1", help="taskset CPU list for stubs and routers ('' = no pinning)")
+    p.add_argument("--stub-cpus", help="taskset CPU list for the stubs alone (default: --server-cpus)")
+    p.add_argument("--load-threads", type=int, default=1, help="wrk threads (one per --load-cpu CPU)")
     p.add_argument("--quick", action="store_true", help="1 repetition of 2 s (1 s latency): a smoke run")
     p.add_argument("--note", default="", help="free text recorded with the results (e.g. 'machine busy')")
     p.add_argument("--results", type=Path, default=RESULTS)
@@ -335,25 +295,26 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.kvgate_ref / "gateway" / "app.py").exists():
             raise SystemExit(f"{a.kvgate_ref} holds no gateway/app.py")
         names.insert(names.index("kvgate") + 1 if "kvgate" in names else len(names), "kvgate-ref")
+    names += [f"kvgate-p{n}" for n in a.kvgate_processes]
     started: list[Proc] = []
     try:
-        variants = start_variants(names, a.stubs, a.server_cpus, started, a.kvgate_ref)
+        variants = start_variants(names, a.stubs, a.server_cpus, started, a.kvgate_ref, a.stub_cpus, a.smg_python)
         results: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {t: [] for t in tests} for v in variants}
         for v in variants:  # warm-up: connection pools, lazy imports, JIT-free but cache-warm
-            run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, 1, False)
-            run_load(a.loadgen, a.load_cpu, v.url, body(a.chunks[0]), a.concurrency, 1, True)
+            run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, 1, False, a.load_threads)
+            run_load(a.loadgen, a.load_cpu, v.url, body(a.chunks[0]), a.concurrency, 1, True, a.load_threads)
         for rep in range(a.reps):
             for test in tests:
                 for v in variants:
                     cpu0 = v.cpu()
                     if test == "lat":
-                        r = run_load(a.loadgen, a.load_cpu, v.url, body(None), 1, a.latency_duration, False)
+                        r = run_load(a.loadgen, a.load_cpu, v.url, body(None), 1, a.latency_duration, False, a.load_threads)
                     elif test == "rps":
-                        r = run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, a.duration, False)
+                        r = run_load(a.loadgen, a.load_cpu, v.url, body(None), a.concurrency, a.duration, False, a.load_threads)
                     else:
                         n = int(test.removeprefix("sselat").removeprefix("sse"))
                         conns, secs = (1, a.latency_duration) if test.startswith("sselat") else (a.concurrency, a.duration)
-                        r = run_load(a.loadgen, a.load_cpu, v.url, body(n), conns, secs, True)
+                        r = run_load(a.loadgen, a.load_cpu, v.url, body(n), conns, secs, True, a.load_threads)
                         if r["events"] != r["requests"] * n:
                             r["errors"] += abs(r["events"] - r["requests"] * n) // max(n, 1) or 1
                     cpu = v.cpu() - cpu0
@@ -374,8 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rat))
     command = "PYTHONPATH=$PWD /work/venv/bin/python -m bench.overhead " + " ".join(
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
-    pin = (f"load generator on CPU {a.load_cpu}, stubs + router on CPU {a.server_cpus} (taskset)"
+    pin = (f"load generator on CPU {a.load_cpu} ({a.load_threads} wrk threads), routers on CPU {a.server_cpus},"
+           f" stubs on CPU {a.server_cpus if a.stub_cpus is None else a.stub_cpus} (taskset)"
            if a.load_cpu or a.server_cpus else "unpinned")
+    if "smg" in names:
+        smg = subprocess.run([a.smg_python, "-c", "from importlib import metadata; print(metadata.version('smg'))"],
+                             capture_output=True, text=True).stdout.strip()
+        pin += f"; smg {smg or '?'} from {a.smg_python}"
     section = "\n".join([
         f"## {a.title} (`bench/overhead.py`)",
         "",

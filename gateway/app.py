@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gateway import __version__
 from gateway.auth import bearer_token, key_matches
-from gateway.config import GatewayConfig, WorkerSpec
+from gateway.config import GatewayConfig
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.openapi import openapi_json
@@ -67,6 +67,8 @@ async def error_middleware(request: web.Request, handler):
     finally:
         if counted:
             state.drain.leave()
+    if state.drain.retiring:  # the client reconnects, to a process that stays (gateway.group)
+        response.force_close()
     state.metrics.requests_by(route, response.status).inc()
     if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
         log.debug("%s %s -> %d", request.method, route, response.status)
@@ -160,86 +162,8 @@ async def readiness(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
-    for worker in state.registry.workers.values():
-        state.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
-    state.metrics.queue_depth.set(state.admission.queued)
-    state.metrics.held_now.set(state.proxy.holds.held)
-    if state.encoder is not None:
-        state.metrics.tokenized_off_loop.set(state.encoder.offloaded)
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
-
-# --- admin routes ---------------------------------------------------------------------------
-
-class _AddWorker(msgspec.Struct):
-    url: str
-    role: str = "unified"
-    bootstrap_port: int | None = None
-    api_key: str | None = None
-
-
-async def list_workers(request: web.Request) -> web.Response:
-    state: GatewayState = request.app[STATE]
-    return web.Response(body=_json({"workers": [w.describe() for w in state.registry.workers.values()]}),
-                        content_type="application/json")
-
-
-async def add_worker(request: web.Request) -> web.Response:
-    state: GatewayState = request.app[STATE]
-    raw = await request.read()
-    try:
-        spec = msgspec.json.decode(raw, type=_AddWorker) if raw.strip() else _AddWorker(url=request.query["url"])
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
-        raise GatewayError(400, f"expected {{'url', 'role', 'bootstrap_port'}}: {exc}") from None
-    if spec.role not in ("unified", "prefill", "decode"):
-        raise GatewayError(400, f"role must be unified, prefill or decode, not {spec.role!r}", param="role")
-    if not spec.url.startswith(("http://", "https://")):
-        raise GatewayError(400, "url must start with http:// or https://", param="url")
-    try:
-        worker = await state.registry.add(WorkerSpec(spec.url, spec.role, spec.bootstrap_port, spec.api_key))
-    except ValueError as exc:
-        raise GatewayError(409, str(exc), code="worker_exists") from None
-    return web.Response(status=201, body=_json(worker.describe()), content_type="application/json")
-
-
-async def remove_worker(request: web.Request) -> web.Response:
-    state: GatewayState = request.app[STATE]
-    url = request.query.get("url") or request.match_info.get("url", "")
-    try:
-        worker = state.registry.remove(url)
-    except KeyError:
-        raise GatewayError(404, f"no worker {url!r}", code="worker_not_found") from None
-    return web.Response(body=_json(worker.describe()), content_type="application/json")
-
-
-async def _fan_out(state: GatewayState, path: str, body: bytes) -> list[tuple[str, int, bytes]]:
-    async def one(worker):
-        try:
-            async with state.session.post(worker.url + path, data=body, headers={
-                    "Content-Type": "application/json", **worker.auth_headers()}) as resp:
-                return worker.url, resp.status, await resp.read()
-        except Exception as exc:
-            return worker.url, 0, repr(exc).encode()
-
-    return await asyncio.gather(*(one(w) for w in state.registry.workers.values() if w.view.healthy))
-
-
-async def abort_request(request: web.Request) -> web.Response:
-    state: GatewayState = request.app[STATE]
-    results = await _fan_out(state, "/abort_request", await request.read())
-    return web.Response(body=_json({"workers": {url: status for url, status, _ in results}}),
-                        content_type="application/json")
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    state: GatewayState = request.app[STATE]
-    results = await _fan_out(state, "/flush_cache", b"")
-    failed = {url: body.decode(errors="replace") for url, status, body in results if status != 200}
-    body = {"workers": {url: status for url, status, _ in results}, "errors": failed}
-    return web.Response(status=400 if failed else 200, body=_json(body), content_type="application/json")
-
-
-# --- assembly -------------------------------------------------------------------------------
 
 def tune_gc() -> None:
     """Keep the cyclic collector off the hot path once everything long-lived exists.
@@ -289,12 +213,14 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     r.add_get("/readiness", readiness)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi_json)
-    r.add_get("/workers", list_workers)
-    r.add_post("/workers", add_worker)
-    r.add_delete("/workers", remove_worker)
-    r.add_delete("/workers/{url:.+}", remove_worker)
-    r.add_post("/add_worker", add_worker)  # sglang-router's spelling
-    r.add_post("/remove_worker", remove_worker)
-    r.add_post("/abort_request", abort_request)
-    r.add_post("/flush_cache", flush_cache)
+    from gateway import admin  # its handlers read STATE from this module
+
+    r.add_get("/workers", admin.list_workers)
+    r.add_post("/workers", admin.add_worker)
+    r.add_delete("/workers", admin.remove_worker)
+    r.add_delete("/workers/{url:.+}", admin.remove_worker)
+    r.add_post("/add_worker", admin.add_worker)  # sglang-router's spelling
+    r.add_post("/remove_worker", admin.remove_worker)
+    r.add_post("/abort_request", admin.abort_request)
+    r.add_post("/flush_cache", admin.flush_cache)
     return app

@@ -16,12 +16,12 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from gateway.config import GatewayConfig, WorkerSpec, discovery_problem, load_yaml, workers_from_mapping
+from gateway.config import GatewayConfig, WorkerSpec, discovery_problem, load_yaml, process_count, workers_from_mapping
 from wire.options import OptionError
 
 log = logging.getLogger("kvgate")
@@ -34,6 +34,13 @@ def _option(text: str) -> tuple[str, Any]:
     import yaml
 
     return key.strip().replace("-", "_"), yaml.safe_load(value)
+
+
+def _processes(text: str) -> int:
+    try:
+        return process_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -> None:
@@ -97,6 +104,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--state-heartbeat-secs", type=float,
                    help="how often each process says what it has in flight; a peer silent for three is gone")
     g.add_argument("--shutdown-grace-secs", type=float)
+    g.add_argument("--processes", type=_processes, metavar="N|auto",
+                   help="event-loop processes serving the one port (default 1; auto: one per usable CPU); "
+                        "SIGHUP reloads them one at a time (docs/processes.md)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     k = p.add_argument_group("service discovery (Kubernetes; needs the 'k8s' extra)")
     k.add_argument("--service-discovery", action="store_true", default=None,
@@ -158,6 +168,7 @@ def _install_uvloop() -> None:
 async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     from aiohttp import web
 
+    from gateway import group
     from gateway.app import STATE, build_app
 
     app = build_app(cfg)
@@ -165,17 +176,26 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     # after that is cancelled by the runner at once.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
+    member = group.in_group()
+    site = group.site(runner, cfg.host, cfg.port, 4096) if member else web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()
     log.info("kvgate listening on http://%s:%d (policy=%s, workers=%d)", cfg.host, cfg.port, cfg.policy, len(cfg.workers))
     stop = asyncio.Event()
+    retiring: list[bool] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if member:
+        group.on_signals(loop, lambda: (retiring.append(True), stop.set()))
+        orphaned = loop.create_task(group.until_orphaned(os.getppid()))
+        orphaned.add_done_callback(lambda _t: stop.set())
+        group.notify_ready()
     if ready is not None:
         ready.set()
     await stop.wait()
     drain = app[STATE].drain
+    if retiring:  # another member takes this one's place: the group's port keeps accepting
+        await group.stop_accepting(runner, site, drain)
     log.info("shutting down: finishing %d in-flight requests (grace %gs)", drain.in_flight, cfg.shutdown_grace_secs)
     if not await drain.drain(cfg.shutdown_grace_secs):
         log.warning("grace period over with %d requests in flight: cancelling them", drain.in_flight)
@@ -183,16 +203,21 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     log.info("shut down")
 
 
-def serve(cfg: GatewayConfig) -> int:
+def serve(cfg: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> int:
+    """Run the gateway until SIGTERM/SIGINT: in this process, or as a supervised group of
+    ``cfg.processes`` (``reload`` gives the configuration a SIGHUP rolls out)."""
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.processes > 1:
+        from gateway.processes import supervise
+
+        return supervise(cfg, reload or (lambda: cfg))
     _install_uvloop()
     asyncio.run(serve_async(cfg))
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    return serve(cfg)
+    return serve(config_from_args(args), reload=lambda: config_from_args(args))
 
 
 @contextlib.contextmanager
@@ -234,17 +259,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         specs = [WorkerSpec(url=u) for u in cluster.urls]
         specs += [WorkerSpec(url=u, role="prefill", bootstrap_port=port) for u, port in cluster.prefill]
         specs += [WorkerSpec(url=u, role="decode") for u in cluster.decode]
-        cfg = config_from_args(args, extra_workers=specs)
-        if args.pd:
-            cfg.pd_disaggregation = True
-        if args.kv_events and cfg.tokenizer is None:
-            cfg.tokenizer = "byte"  # the simulator's tokenizer: precise routing needs the engine's ids
+
+        def build() -> GatewayConfig:
+            cfg = config_from_args(args, extra_workers=specs)
+            if args.pd:
+                cfg.pd_disaggregation = True
+            if args.kv_events and cfg.tokenizer is None:
+                cfg.tokenizer = "byte"  # the simulator's tokenizer: precise routing needs the engine's ids
+            return cfg
+
+        cfg = build()
         for spec in specs:
             print(f"kvgate up: {spec.role:8s} {spec.url}" + (f" bootstrap {spec.bootstrap_port}" if spec.bootstrap_port else ""),
                   flush=True)
         print(f"kvgate up: gateway on http://{cfg.host}:{cfg.port} policy={cfg.policy} "
               f"(try: curl http://{cfg.host}:{cfg.port}/v1/models)", flush=True)
-        return serve(cfg)
+        return serve(cfg, reload=build)
     finally:
         cluster.stop()
 

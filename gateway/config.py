@@ -6,6 +6,7 @@ by changing the binary name.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ class GatewayConfig:
     service_discovery_port_name: str | None = None  # a container port of this name gives the pod's port
     service_discovery_namespace: str | None = None  # None: every namespace (needs a ClusterRole)
     bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"  # a prefill pod's bootstrap port
+    processes: int = 1  # event-loop processes on the one port (gateway.processes); "auto": one per usable CPU
 
     def __post_init__(self) -> None:
         # Selectors arrive as flags (a list of key=value), YAML (a mapping, a list or one string)
@@ -87,6 +89,7 @@ class GatewayConfig:
         self.selector = parse_selector(self.selector)
         self.prefill_selector = parse_selector(self.prefill_selector)
         self.decode_selector = parse_selector(self.decode_selector)
+        self.processes = process_count(self.processes)
 
 
 def parse_selector(value: Any) -> dict[str, str]:
@@ -118,6 +121,17 @@ def discovery_problem(cfg: GatewayConfig) -> str | None:
     if not 0 < cfg.service_discovery_port < 65536:
         return f"--service-discovery-port {cfg.service_discovery_port} is not a TCP port"
     return None
+
+
+def process_count(value: int | str) -> int:
+    """``--processes``/``processes:``: a positive count, or ``auto`` for the CPUs this process may run on."""
+    if value == "auto":
+        return len(os.sched_getaffinity(0))
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"processes must be a positive integer or 'auto', not {value!r}")
+    return value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

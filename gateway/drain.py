@@ -18,6 +18,7 @@ class Drain:
     def __init__(self, open_paths: tuple[str, ...]) -> None:
         self.open_paths = open_paths
         self.draining = False
+        self.retiring = False  # another process takes this one's place: answers carry Connection: close
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -1,4 +1,9 @@
-"""Prometheus metrics for the gateway, in a registry of its own (several apps per process in tests)."""
+"""Prometheus metrics for the gateway, in a registry of its own (several apps per process in tests).
+
+In a process group (``gateway.group``) ``/metrics`` is the group's (``gateway.group_metrics``):
+each gauge's ``multiprocess_mode`` says how the members' values combine there, and is
+ignored by a gateway that runs alone.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway import group
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -82,23 +90,28 @@ class _Children:
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.before_scrape: Callable[[], None] | None = None  # sets the gauges read at scrape time
         self.requests = Counter("kvgate_requests_total", "Requests answered, by route and status", ["route", "status"], registry=r)
         self.routed = Counter("kvgate_routed_total", "Upstream attempts, by worker", ["worker"], registry=r)
         self.upstream_errors = Counter("kvgate_upstream_errors_total", "Upstream failures", ["worker", "kind"], registry=r)
         self.retries = Counter("kvgate_retries_total", "Requests re-sent to another worker before the first byte", registry=r)
         self.latency = Histogram("kvgate_request_duration_seconds", "Time to the last byte", ["route"], buckets=_LATENCY, registry=r)
         self.ttft = Histogram("kvgate_time_to_first_byte_seconds", "Time to the first streamed byte", ["route"], buckets=_LATENCY, registry=r)
-        self.in_flight = Gauge("kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r)
-        self.healthy = Gauge("kvgate_worker_healthy", "1 when the worker passes health checks", ["worker", "role"], registry=r)
+        self.in_flight = Gauge("kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r,
+                               multiprocess_mode="livesum")
+        # in a group: 1 only while every member routes to the worker
+        self.healthy = Gauge("kvgate_worker_healthy", "1 when the worker passes health checks", ["worker", "role"],
+                             registry=r, multiprocess_mode="livemin")
         self.tokenizer_match = Gauge("kvgate_worker_tokenizer_match",
                                      "1 when the worker's /v1/tokenize gives the gateway's ids for a probe, 0 when not",
-                                     ["worker", "kind"], registry=r)
+                                     ["worker", "kind"], registry=r, multiprocess_mode="livemin")
         self.tokenized_off_loop = Gauge("kvgate_prompts_tokenized_off_loop",
                                         "Prompts tokenized on the thread pool since start (longer than "
-                                        "--tokenize-inline-chars)", registry=r)
-        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
+                                        "--tokenize-inline-chars)", registry=r, multiprocess_mode="livesum")
+        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r,
+                                 multiprocess_mode="livesum")
         self.held_now = Gauge("kvgate_held_requests", "Requests the policy is holding until a worker can start them",
-                              registry=r)
+                              registry=r, multiprocess_mode="livesum")
         self.held = Counter("kvgate_held_total", "Requests the policy held before choosing a worker", registry=r)
         self.hold_seconds = Histogram("kvgate_hold_seconds", "Time held requests spent in the gateway before routing",
                                       buckets=_LATENCY, registry=r)
@@ -121,9 +134,20 @@ class GatewayMetrics:
         self.latency_of = _Children(self.latency)
         self.ttft_of = _Children(self.ttft)
         self.policy_sources: list[tuple[str, Callable[[], Mapping[str, float]]]] = []
-        r.register(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
         self.tokenizer_stats: Callable[[], Mapping[str, float]] | None = None
-        r.register(_TokenizerCollector(self))
+        self.local: list[Collector] = []  # collectors whose numbers are this process's alone
+        self.add_local(_PolicyCollector(lambda: [(n, f()) for n, f in self.policy_sources]))
+        self.add_local(_TokenizerCollector(self))
+        path = group.metrics_dir()
+        self.group = None
+        if path is not None:
+            from gateway.group_metrics import GroupMetrics
+
+            self.group = GroupMetrics(path, group.process_index(), self.local, self.requests)
+
+    def add_local(self, collector: Collector) -> None:
+        self.registry.register(collector)
+        self.local.append(collector)
 
     def watch_peers(self, peers) -> None:
         """Export the state bus's figures and the lag from a peer's record to its application here."""
@@ -134,4 +158,6 @@ class GatewayMetrics:
         peers.lag_observe = lag.observe
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.before_scrape is not None:
+            self.before_scrape()
+        return generate_latest(self.registry) if self.group is None else self.group.render()

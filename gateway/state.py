@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway import tokenizer_check
+from gateway import group, tokenizer_check
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.drain import Drain
@@ -36,6 +36,7 @@ class GatewayState:
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
+        self.process_index = group.process_index()  # slot in a process group (gateway.group); 0 alone
         self.metrics = GatewayMetrics()
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
@@ -71,9 +72,17 @@ class GatewayState:
     def draining(self) -> bool:
         return self.drain.draining
 
+    def _scrape_gauges(self) -> None:
+        for worker in self.registry.workers.values():
+            self.metrics.in_flight.labels(worker.url).set(worker.view.in_flight)
+        self.metrics.queue_depth.set(self.admission.queued)
+        self.metrics.held_now.set(self.proxy.holds.held)
+        if self.encoder is not None:
+            self.metrics.tokenized_off_loop.set(self.encoder.offloaded)
+
     async def start(self) -> None:
         cfg = self.cfg
-        self.metrics.registry.register(ProcessCollector(asyncio.get_running_loop()))
+        self.metrics.add_local(ProcessCollector(asyncio.get_running_loop()))
         self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
                                     limit_per_host=cfg.max_connections_per_worker)
         self.registry = WorkerRegistry(cfg, self.session)
@@ -101,6 +110,9 @@ class GatewayState:
             await policy.start()
         await asyncio.gather(*(self.registry.add(spec) for spec in cfg.workers))
         self.registry.start()
+        self.metrics.before_scrape = self._scrape_gauges
+        if self.metrics.group is not None:
+            self.metrics.group.start(self._scrape_gauges)
         if cfg.service_discovery:
             self.discovery = _discovery(cfg, self.registry, self.metrics)
             await self.discovery.start()
@@ -109,6 +121,8 @@ class GatewayState:
             await self.peers.start()
 
     async def stop(self) -> None:
+        if self.metrics.group is not None:
+            self.metrics.group.stop()
         if self.peers is not None:
             await self.peers.stop()
         for task in list(self._checks.values()):
