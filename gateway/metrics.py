@@ -151,7 +151,7 @@ class GatewayMetrics:
 
     def watch_peers(self, peers) -> None:
         """Export the state bus's figures and the lag from a peer's record to its application here."""
-        self.registry.register(_PeersCollector(peers))
+        self.add_local(_PeersCollector(peers))
         lag = Histogram("kvgate_state_lag_seconds", "From a peer publishing a record to applying it here (clocks "
                         "of different hosts included)", buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                                  0.1, 0.25, 0.5, 1, 5), registry=self.registry)

@@ -288,3 +288,28 @@ def test_processes_flag_takes_a_positive_count_or_auto(value):
     assert build_parser().parse_args(["serve", "--processes", "auto"]).processes == len(os.sched_getaffinity(0))
     assert GatewayConfig(processes="auto").processes == len(os.sched_getaffinity(0))
     assert GatewayConfig(processes="3").processes == 3
+
+
+def test_members_share_bookings_so_a_burst_does_not_herd(start_sim):
+    """Each member counts what the other routed (the group's embedded state bus): four long
+    streams through two members land two on each worker, whichever member took each."""
+    from tests.test_gateway_peers import Stream, wait_for
+
+    sims = [start_sim(name=f"sim{i}").url for i in range(2)]
+    proc = serve([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", FREE_PORT,
+                  "--processes", "2", "--worker-urls", *sims, "--policy", "least_load",
+                  "--health-check-interval-secs", "0.5"], "/readiness", name="group")
+    try:
+        wait_members(proc, 2)
+        assert "embedded nats-server" in proc.output()
+        streams = []
+        for k in range(1, 5):
+            streams.append(Stream(proc))
+            # every member's view counts all k: the group's in-flight gauge sums two views
+            wait_for(lambda: metric_value(get_text(proc.url + "/metrics"), "kvgate_worker_in_flight") == 2 * k,
+                     why=f"both members count stream {k}")
+        workers = json.loads(get_text(proc.url + "/workers"))["workers"]
+        assert sorted(w["in_flight"] for w in workers) == [2, 2], workers
+        assert all(s.error is None for s in streams)
+    finally:
+        proc.stop()
