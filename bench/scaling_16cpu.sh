@@ -22,7 +22,7 @@ cpus=$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')
 if [ "$cpus" -lt 16 ]; then echo "needs 16 CPUs, this process may use $cpus" >&2; exit 1; fi
 for tool in wrk taskset; do command -v "$tool" >/dev/null || { echo "$tool not found" >&2; exit 1; }; done
 "$SMG_PYTHON" -c 'import smg' || { echo "no smg package in $SMG_PYTHON" >&2; exit 1; }
-PYTHONPATH=$PWD timeout 600 "$PYTHON" -m bench.overhead \
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 600 "$PYTHON" -m bench.overhead \
   --variants sglang-router smg --kvgate-processes 1 2 4 8 --smg-python "$SMG_PYTHON" \
   --stubs 5 --stub-cpus 3-7 --server-cpus 8-15 --load-cpu 0-2 --load-threads 3 --concurrency 256 \
   --tests rps sse --chunks 16 --reps 3 --duration 5 \

@@ -88,8 +88,10 @@ class GatewayState:
         self.registry = WorkerRegistry(cfg, self.session)
         peers: Local = ALONE
         if cfg.state_url:  # one of a group: share routing records on the bus
-            self.peers = peers = Peers(cfg.state_url, cfg.state_subject, self.policies, self.registry.workers,
-                                       cfg.state_heartbeat_secs)
+            self.peers = Peers(cfg.state_url, cfg.state_subject, self.policies, self.registry.workers,
+                               cfg.state_heartbeat_secs)
+            if any(p.shares_routing for p in self.policies.values()):
+                peers = self.peers
             self.metrics.watch_peers(self.peers)
             if self.limiter is not None:
                 self.limiter.on_spent, self.peers.charge = self.peers.spent, self.limiter.charge

@@ -76,6 +76,9 @@ class Policy:
     ``OptionError`` at start-up; ``kvgate policies NAME`` prints them. A policy without
     ``Options`` receives them raw in ``self.options``.
     ``needs_engine_load`` asks the gateway to poll engine load for this policy.
+    ``shares_routing = False`` tells a group of gateways that this policy reads nothing of past
+    routing, not even in-flight counts, so no routing records are published for it (each
+    record costs every other process of the group an application).
     ``needs_prompt = False`` tells the gateway this policy never reads ``text`` or
     ``token_ids``, so it can skip the chat template and tokenizer (their cost grows with
     the prompt); the default is to build them.
@@ -84,6 +87,7 @@ class Policy:
     name: ClassVar[str] = "policy"
     needs_engine_load: ClassVar[bool] = False
     needs_prompt: ClassVar[bool] = True
+    shares_routing: ClassVar[bool] = True
     Options: ClassVar[type | None] = None
 
     def __init__(self, **options: Any) -> None:

@@ -19,6 +19,7 @@ class SeedOptions:
 class RandomChoice(Policy):
     name = "random"
     needs_prompt = False
+    shares_routing = False
 
     Options = SeedOptions
 

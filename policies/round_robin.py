@@ -12,6 +12,7 @@ class RoundRobin(Policy):
     name = "round_robin"
     Options = NoOptions
     needs_prompt = False
+    shares_routing = False
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
