@@ -15,15 +15,17 @@ import time
 import msgspec
 from aiohttp import web
 
-from gateway import __version__
+from gateway import __version__, audit
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.openapi import openapi_json
+from gateway.posture import refuse_open_admin
 from gateway.ratelimit import check_rate
 from gateway.state import OPEN_PATHS, GatewayState
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, read_body, request_id_from
+from gateway.worker_policy import WorkerRefused
 
 log = logging.getLogger("kvgate")
 _json = msgspec.json.encode
@@ -48,6 +50,8 @@ async def error_middleware(request: web.Request, handler):
     counted = False
     try:
         check_auth(request, state.cfg)
+        if state.admin_refused and request.path.startswith(ADMIN_PATHS):  # exposed, no admin key
+            raise refuse_open_admin(state.cfg.host)
         counted = state.drain.enter(request.path)
         if counted and state.limiter is not None:  # after auth: a bad key never gets a bucket
             check_rate(state.limiter, request, bool(state.cfg.api_keys))
@@ -68,6 +72,8 @@ async def error_middleware(request: web.Request, handler):
         if counted:
             state.drain.leave()
     state.metrics.requests_by(route, response.status).inc()
+    if request.method != "GET" and request.path.startswith(ADMIN_PATHS):
+        audit.record(request, response.status, state.cfg)
     if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
         log.debug("%s %s -> %d", request.method, route, response.status)
     return response
@@ -75,9 +81,9 @@ async def error_middleware(request: web.Request, handler):
 
 def check_auth(request: web.Request, cfg: GatewayConfig) -> None:
     path = request.path
-    if path in OPEN_PATHS:
+    if path in OPEN_PATHS and not (cfg.protect_metrics and path == "/metrics"):
         return
-    admin = path.startswith(ADMIN_PATHS)
+    admin = path.startswith(ADMIN_PATHS) or path == "/metrics"
     keys = (cfg.admin_api_keys or cfg.api_keys) if admin else cfg.api_keys
     if not keys:
         return
@@ -191,6 +197,7 @@ async def add_worker(request: web.Request) -> web.Response:
         spec = msgspec.json.decode(raw, type=_AddWorker) if raw.strip() else _AddWorker(url=request.query["url"])
     except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
         raise GatewayError(400, f"expected {{'url', 'role', 'bootstrap_port'}}: {exc}") from None
+    request[audit.TARGET] = spec.url
     if spec.role not in ("unified", "prefill", "decode"):
         raise GatewayError(400, f"role must be unified, prefill or decode, not {spec.role!r}", param="role")
     if not spec.url.startswith(("http://", "https://")):
@@ -199,6 +206,8 @@ async def add_worker(request: web.Request) -> web.Response:
         worker = await state.registry.add(WorkerSpec(spec.url, spec.role, spec.bootstrap_port, spec.api_key))
     except ValueError as exc:
         raise GatewayError(409, str(exc), code="worker_exists") from None
+    except WorkerRefused as exc:  # by --worker-url-allow or the ranges always refused (gateway.worker_policy)
+        raise GatewayError(403, str(exc), code="worker_url_refused", param="url") from None
     return web.Response(status=201, body=_json(worker.describe()), content_type="application/json")
 
 
