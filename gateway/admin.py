@@ -10,9 +10,11 @@ import asyncio
 import msgspec
 from aiohttp import web
 
+from gateway import audit
 from gateway.app import STATE, GatewayState
 from gateway.config import WorkerSpec
 from gateway.errors import GatewayError
+from gateway.worker_policy import WorkerRefused
 
 _json = msgspec.json.encode
 
@@ -37,6 +39,7 @@ async def add_worker(request: web.Request) -> web.Response:
         spec = msgspec.json.decode(raw, type=_AddWorker) if raw.strip() else _AddWorker(url=request.query["url"])
     except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
         raise GatewayError(400, f"expected {{'url', 'role', 'bootstrap_port'}}: {exc}") from None
+    request[audit.TARGET] = spec.url
     if spec.role not in ("unified", "prefill", "decode"):
         raise GatewayError(400, f"role must be unified, prefill or decode, not {spec.role!r}", param="role")
     if not spec.url.startswith(("http://", "https://")):
@@ -45,6 +48,8 @@ async def add_worker(request: web.Request) -> web.Response:
         worker = await state.registry.add(WorkerSpec(spec.url, spec.role, spec.bootstrap_port, spec.api_key))
     except ValueError as exc:
         raise GatewayError(409, str(exc), code="worker_exists") from None
+    except WorkerRefused as exc:  # by --worker-url-allow or the ranges always refused (gateway.worker_policy)
+        raise GatewayError(403, str(exc), code="worker_url_refused", param="url") from None
     return web.Response(status=201, body=_json(worker.describe()), content_type="application/json")
 
 

@@ -15,12 +15,13 @@ import time
 import msgspec
 from aiohttp import web
 
-from gateway import __version__
+from gateway import __version__, audit
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError, error_response, from_exception
 from gateway.openapi import openapi_json
+from gateway.posture import refuse_open_admin
 from gateway.ratelimit import check_rate
 from gateway.state import OPEN_PATHS, GatewayState
 from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, read_body, request_id_from
@@ -48,6 +49,8 @@ async def error_middleware(request: web.Request, handler):
     counted = False
     try:
         check_auth(request, state.cfg)
+        if state.admin_refused and request.path.startswith(ADMIN_PATHS):  # exposed, no admin key
+            raise refuse_open_admin(state.cfg.host)
         counted = state.drain.enter(request.path)
         if counted and state.limiter is not None:  # after auth: a bad key never gets a bucket
             check_rate(state.limiter, request, bool(state.cfg.api_keys))
@@ -70,6 +73,8 @@ async def error_middleware(request: web.Request, handler):
     if state.drain.retiring:  # the client reconnects, to a process that stays (gateway.group)
         response.force_close()
     state.metrics.requests_by(route, response.status).inc()
+    if request.method != "GET" and request.path.startswith(ADMIN_PATHS):
+        audit.record(request, response.status, state.cfg)
     if log.isEnabledFor(logging.DEBUG):  # never headers: they carry the keys
         log.debug("%s %s -> %d", request.method, route, response.status)
     return response
@@ -77,9 +82,9 @@ async def error_middleware(request: web.Request, handler):
 
 def check_auth(request: web.Request, cfg: GatewayConfig) -> None:
     path = request.path
-    if path in OPEN_PATHS:
+    if path in OPEN_PATHS and not (cfg.protect_metrics and path == "/metrics"):
         return
-    admin = path.startswith(ADMIN_PATHS)
+    admin = path.startswith(ADMIN_PATHS) or path == "/metrics"
     keys = (cfg.admin_api_keys or cfg.api_keys) if admin else cfg.api_keys
     if not keys:
         return

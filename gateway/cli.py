@@ -108,6 +108,19 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
                    help="event-loop processes serving the one port (default 1; auto: one per usable CPU); "
                         "SIGHUP reloads them one at a time (docs/processes.md)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s = p.add_argument_group("control-plane security (docs/security.md)")
+    s.add_argument("--allow-open-admin", action="store_true", default=None,
+                   help="serve the admin routes without a key on a bind that is not loopback (refused by default)")
+    s.add_argument("--protect-metrics", action="store_true", default=None,
+                   help="/metrics answers only with an admin key (default: open to scrapers)")
+    s.add_argument("--worker-url-allow", action="append", metavar="CIDR|HOST",
+                   help="networks and host names ('*.suffix' for every name under it) that workers added at "
+                        "runtime may be at (repeatable); link-local and metadata addresses need an entry inside them")
+    s.add_argument("--tls-cert-file", help="serve HTTPS with this PEM certificate chain (SIGHUP reloads it)")
+    s.add_argument("--tls-key-file", help="its private key (default: in --tls-cert-file)")
+    s.add_argument("--worker-ca-file", help="CA bundle that https workers' certificates are verified against")
+    s.add_argument("--worker-client-cert-file", help="client certificate shown to workers that require one (mTLS)")
+    s.add_argument("--worker-client-key-file", help="its private key (default: in --worker-client-cert-file)")
     k = p.add_argument_group("service discovery (Kubernetes; needs the 'k8s' extra)")
     k.add_argument("--service-discovery", action="store_true", default=None,
                    help="add and remove workers as pods matching the selectors become ready and go away")
@@ -148,7 +161,7 @@ def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] |
     data["workers"] = workers
     try:
         cfg = GatewayConfig(**data)
-    except ValueError as exc:  # a selector that is not key=value
+    except ValueError as exc:  # a selector, allowlist entry or TLS option that does not parse
         raise SystemExit(f"kvgate: error: {exc}") from None
     problem = discovery_problem(cfg)
     if problem:
@@ -177,19 +190,24 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     member = group.in_group()
-    site = group.site(runner, cfg.host, cfg.port, 4096) if member else web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
+    tls = app[STATE].tls
+    site = group.site(runner, cfg.host, cfg.port, 4096, tls.server) if member else \
+        web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, ssl_context=tls.server)
     await site.start()
-    log.info("kvgate listening on http://%s:%d (policy=%s, workers=%d)", cfg.host, cfg.port, cfg.policy, len(cfg.workers))
+    log.info("kvgate listening on %s://%s:%d (policy=%s, workers=%d)", "https" if tls.server else "http", cfg.host,
+             cfg.port, cfg.policy, len(cfg.workers))
     stop = asyncio.Event()
     retiring: list[bool] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if member:
+    if member:  # the supervisor's SIGHUP replaces the members, which load the certificates anew
         group.on_signals(loop, lambda: (retiring.append(True), stop.set()))
         orphaned = loop.create_task(group.until_orphaned(os.getppid()))
         orphaned.add_done_callback(lambda _t: stop.set())
         group.notify_ready()
+    elif tls.server or tls.worker:  # else SIGHUP keeps its default (it ends the process)
+        loop.add_signal_handler(signal.SIGHUP, tls.reload)  # new certificates, same listener
     if ready is not None:
         ready.set()
     await stop.wait()

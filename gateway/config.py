@@ -13,6 +13,9 @@ from typing import Any
 
 import yaml
 
+from gateway.tls import tls_problem
+from gateway.worker_policy import normalize_allow
+
 
 @dataclass(slots=True)
 class WorkerSpec:
@@ -82,6 +85,15 @@ class GatewayConfig:
     service_discovery_namespace: str | None = None  # None: every namespace (needs a ClusterRole)
     bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"  # a prefill pod's bootstrap port
     processes: int = 1  # event-loop processes on the one port (gateway.processes); "auto": one per usable CPU
+    # control-plane security (docs/security.md: gateway.posture, gateway.worker_policy, gateway.tls)
+    allow_open_admin: bool = False  # admin routes without a key on a bind that is not loopback
+    protect_metrics: bool = False  # /metrics takes the admin keys too
+    worker_url_allow: list[str] = field(default_factory=list)  # CIDRs and host names runtime adds may use
+    tls_cert_file: str | None = None  # serve HTTPS with this certificate (chain) ...
+    tls_key_file: str | None = None  # ... and key (default: in the certificate file)
+    worker_ca_file: str | None = None  # CAs that https workers' certificates are verified against
+    worker_client_cert_file: str | None = None  # shown to workers that ask for a client certificate
+    worker_client_key_file: str | None = None
 
     def __post_init__(self) -> None:
         # Selectors arrive as flags (a list of key=value), YAML (a mapping, a list or one string)
@@ -90,6 +102,10 @@ class GatewayConfig:
         self.prefill_selector = parse_selector(self.prefill_selector)
         self.decode_selector = parse_selector(self.decode_selector)
         self.processes = process_count(self.processes)
+        self.worker_url_allow = normalize_allow(self.worker_url_allow)
+        problem = tls_problem(self)
+        if problem:
+            raise ValueError(problem)
 
 
 def parse_selector(value: Any) -> dict[str, str]:

@@ -50,8 +50,10 @@ import aiohttp
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client import ApiException, V1Pod
 
+from gateway import audit
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.metrics import GatewayMetrics
+from gateway.worker_policy import WorkerRefused
 from gateway.workers import WorkerRegistry
 
 log = logging.getLogger("kvgate.discovery")
@@ -314,6 +316,7 @@ class PodDiscovery:
         log.info("discovery: removing %s (its pod stopped serving, went away or changed)", url)
         try:
             self.registry.remove(url)
+            audit.membership("discovery", "remove_worker", url, "removed")
         except KeyError:  # removed through /remove_worker already
             pass
 
@@ -324,12 +327,16 @@ class PodDiscovery:
             await self.registry.add(spec)
         except ValueError:  # registered by someone else while this one was starting
             return
+        except WorkerRefused as exc:  # logged and counted by the gate; tried again when the pods change
+            audit.membership("discovery", "add_worker", spec.url, f"refused:{exc.reason}")
+            return
         except Exception:
             log.exception("discovery: adding %s failed", spec.url)
             return
         finally:
             self._adding.pop(spec.url, None)
         self.owned[spec.url] = spec
+        audit.membership("discovery", "add_worker", spec.url, "added")
         self._changed.set()
 
 

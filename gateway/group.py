@@ -26,6 +26,7 @@ import asyncio
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Callable
 
 from aiohttp import web
@@ -56,12 +57,13 @@ def metrics_dir() -> str | None:
     return os.environ.get(METRICS_DIR_ENV) if in_group() else None
 
 
-def site(runner: web.AppRunner, host: str, port: int, backlog: int) -> web.BaseSite:
+def site(runner: web.AppRunner, host: str, port: int, backlog: int,
+         ssl_context: ssl.SSLContext | None = None) -> web.BaseSite:
     """The member's listening site: the inherited socket, or its own ``SO_REUSEPORT`` one."""
     fd = os.environ.get(LISTEN_FD_ENV)
     if fd is not None:
-        return web.SockSite(runner, socket.socket(fileno=int(fd)))
-    return web.TCPSite(runner, host, port, backlog=backlog, reuse_port=True)
+        return web.SockSite(runner, socket.socket(fileno=int(fd)), ssl_context=ssl_context)
+    return web.TCPSite(runner, host, port, backlog=backlog, reuse_port=True, ssl_context=ssl_context)
 
 
 def on_signals(loop: asyncio.AbstractEventLoop, retire: Callable[[], None]) -> None:

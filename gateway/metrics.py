@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -128,6 +128,12 @@ class GatewayMetrics:
         self.discovery_relists = Counter("kvgate_discovery_relists_total",
                                          "Full pod lists taken (at start, and after a 410 Gone)", registry=r)
         self.discovery_workers = Gauge("kvgate_discovery_workers", "Workers registered from ready pods", registry=r)
+        # control-plane security (gateway.posture, gateway.worker_policy)
+        self.security_posture = Info("kvgate_security_posture", "What answers without a credential, the bind "
+                                     "(loopback or exposed) and TLS, as at start-up (gateway.posture)", registry=r)
+        self.worker_url_refused = Counter("kvgate_worker_url_refused_total", "Worker URLs or connections refused by "
+                                          "the worker URL policy, by stage (add, connect) and reason",
+                                          ["stage", "reason"], registry=r)
         # per-request children (label values are str()-ed by prometheus-client, so a status may be an int)
         self.requests_by = _Children(self.requests)
         self.routed_to = _Children(self.routed)

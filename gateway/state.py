@@ -18,10 +18,13 @@ from gateway.encoding import PromptEncoder
 from gateway.metrics import GatewayMetrics
 from gateway.pd import Pairs, pd_policies
 from gateway.peers import ALONE, Local, Peers
+from gateway.posture import Posture
 from gateway.process_metrics import ProcessCollector
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
+from gateway.tls import TlsContexts
 from gateway.upstream import make_session
+from gateway.worker_policy import WorkerGate, WorkerUrlPolicy
 from gateway.workers import WorkerRegistry
 from policies.base import Policy
 from policies.loader import load_policy, options_for
@@ -61,6 +64,12 @@ class GatewayState:
         self.drain = Drain(OPEN_PATHS)
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst or cfg.rate_limit_rps) \
             if cfg.rate_limit_rps > 0 else None
+        self.tls = TlsContexts(cfg)  # certificate files load here: a bad one stops the start
+        self.gate = WorkerGate(WorkerUrlPolicy(cfg.worker_url_allow),
+                               lambda stage, reason: self.metrics.worker_url_refused.labels(stage, reason).inc())
+        self.posture = Posture.of(cfg, self.tls.worker_mode, self.gate.policy.describe())
+        self.metrics.security_posture.info(self.posture.labels())
+        self.admin_refused = self.posture.refuses_admin  # read per request: a plain attribute
         self.session = None  # created on startup, inside the running loop
         self._checks: dict[str, asyncio.Task] = {}  # tokenizer checks in flight, by worker url
         self.peers: Peers | None = None
@@ -83,9 +92,12 @@ class GatewayState:
     async def start(self) -> None:
         cfg = self.cfg
         self.metrics.add_local(ProcessCollector(asyncio.get_running_loop()))
+        self.posture.announce()
         self.session = make_session(connect_timeout=cfg.connect_timeout_secs, read_timeout=cfg.request_timeout_secs,
-                                    limit_per_host=cfg.max_connections_per_worker)
+                                    limit_per_host=cfg.max_connections_per_worker, gate=self.gate,
+                                    ssl_context=self.tls.worker)
         self.registry = WorkerRegistry(cfg, self.session)
+        self.registry.vet = self.gate.vet  # runtime adds; the configuration's own are added as given
         peers: Local = ALONE
         if cfg.state_url:  # one of a group: share routing records on the bus
             self.peers = Peers(cfg.state_url, cfg.state_subject, self.policies, self.registry.workers,
@@ -110,7 +122,7 @@ class GatewayState:
             self.metrics.policy_sources.append((f"{role}:{policy.name}", policy.stats))
         for policy in unique:
             await policy.start()
-        await asyncio.gather(*(self.registry.add(spec) for spec in cfg.workers))
+        await asyncio.gather(*(self.registry.add(spec, configured=True) for spec in cfg.workers))
         self.registry.start()
         self.metrics.before_scrape = self._scrape_gauges
         if self.metrics.group is not None:

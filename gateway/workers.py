@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +22,7 @@ import msgspec
 
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig, WorkerSpec
+from gateway.tls import explain
 from index.views import EngineLoad, WorkerView
 
 log = logging.getLogger("kvgate.workers")
@@ -94,14 +95,21 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self.listeners: list[Callable[[str, Worker], None]] = []  # ("added"|"removed"|"health", worker)
         self.poll_load = False
+        self.vet: Callable[[str], Awaitable[None]] | None = None  # raises to refuse a runtime add (worker_policy)
         self._tasks: list[asyncio.Task] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout_secs)
 
     # --- membership -------------------------------------------------------------------
-    async def add(self, spec: WorkerSpec) -> Worker:
+    async def add(self, spec: WorkerSpec, configured: bool = False) -> Worker:
+        """Register and probe a worker. Unless it is ``configured`` (the operator's own list),
+        ``vet`` sees its URL first and may refuse it before any connection is made."""
         url = spec.url.rstrip("/")
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
+        if self.vet is not None and not configured:
+            await self.vet(url)
+            if url in self.workers:  # added by another caller while this one was being checked
+                raise ValueError(f"worker {url} is already registered")
         worker = Worker(spec, self.cfg)
         self.workers[url] = worker
         await self._discover(worker)
@@ -182,7 +190,7 @@ class WorkerRegistry:
                 await resp.read()
         except Exception as exc:
             ok = False
-            worker.last_error = f"health check: {exc!r}"
+            worker.last_error = f"health check: {explain(exc, worker.url, self.cfg.worker_client_cert_file)}"
         was = worker.view.healthy
         if ok:
             worker.fail_streak = 0

@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-cache-report", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-requests", action="store_true", help="one log line per finished request")
+    # TLS: SGLang's flag names; --ssl-cert-reqs is uvicorn's (SGLang leaves it at 0: client
+    # certificates are never required there), here so that tests can run mTLS against a worker.
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    p.add_argument("--ssl-keyfile", default=None, help="its private key (default: in --ssl-certfile)")
+    p.add_argument("--ssl-keyfile-password", default=None)
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are verified against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="simulator only (uvicorn's option): client certificate 0 not asked, 1 optional, 2 required")
     # HiCache
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument("--hicache-ratio", type=float, default=None, help="host pool = ratio x device pool")
@@ -100,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        parser.error("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        parser.error("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to verify client certificates with")
     args.kv_events = kv_events_config(args)
     return args
 

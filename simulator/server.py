@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
+import ssl
 import sys
 
 from aiohttp import web
@@ -44,6 +45,18 @@ def build_app(engine: Engine) -> web.Application:
     return app
 
 
+def ssl_context(args) -> ssl.SSLContext | None:
+    """The HTTPS server context, as uvicorn builds it from SGLang's --ssl-* flags (None: plain HTTP)."""
+    if not args.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=args.ssl_keyfile_password)
+    if args.ssl_ca_certs:
+        ctx.load_verify_locations(args.ssl_ca_certs)
+    ctx.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
+    return ctx
+
+
 async def _freeze_gc_periodically(interval: float = 0.25) -> None:
     """Keep cyclic-GC pauses short: the radix tree holds hundreds of thousands of long-lived
     objects, and a full collection scanning them stalls the event loop for 0.1-0.3 s (at a
@@ -57,6 +70,7 @@ async def _freeze_gc_periodically(interval: float = 0.25) -> None:
 
 async def serve(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    tls = ssl_context(args)  # before anything starts: a certificate that does not load ends the start here
     gc.collect()
     gc.freeze()
     gc_task = asyncio.get_running_loop().create_task(_freeze_gc_periodically())
@@ -75,11 +89,12 @@ async def serve(argv: list[str] | None) -> int:
     # handler_cancellation: a client that goes away aborts its request, as in SGLang
     runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, backlog=1024)
+    site = web.TCPSite(runner, args.host, args.port, backlog=1024, ssl_context=tls)
     await site.start()
-    log.info("simulated SGLang %s (%s) serving %s on http://%s:%d", args.sglang_version, args.profile,
-             args.model_name, args.host, args.port)
-    print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}", flush=True)
+    scheme = "https" if tls else "http"
+    log.info("simulated SGLang %s (%s) serving %s on %s://%s:%d", args.sglang_version, args.profile,
+             args.model_name, scheme, args.host, args.port)
+    print(f"The server is fired up and ready to roll! {scheme}://{args.host}:{args.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -314,6 +314,28 @@ def test_api_outage_keeps_workers_and_flag_workers_stay(sims, kube, gateway):
     assert len(kube.calls("list")) == 1
 
 
+def test_discovered_pods_go_through_the_worker_url_policy(sims, kube, start_gateway):
+    """A pod outside --worker-url-allow is refused before any connection (a listening socket at
+    its address accepts nothing), counted, and audited; an allowed pod beside it serves."""
+    from tests.test_gateway_control_plane import audit_lines, listener
+
+    a, _ = sims
+    with listener("127.0.0.3") as refused:
+        kube.put(make_pod("worker-a", a.port))
+        kube.put(make_pod("worker-x", refused.port, ip="127.0.0.3"))
+        env = {"KUBECONFIG": str(kube.config_path), "KUBERNETES_SERVICE_HOST": ""}
+        gw = start_gateway(args=(*DISCOVERY, "--worker-url-allow", "127.0.0.1/32"), env=env)
+        _wait_workers(gw, {a.url}, "the allowed pod registered")
+        _wait(gw, lambda: _metric(gw, "kvgate_worker_url_refused_total", stage="add", reason="not_allowed") >= 1,
+              "the refused pod counted")
+        _chat(gw)
+        assert _workers(gw) == {a.url}
+        assert refused.accepted() == 0, "the refused pod's address was connected to"
+    added = audit_lines(gw, "add_worker")
+    assert any(f'target="{a.url}"' in ln and "key=discovery" in ln and "status=added" in ln for ln in added), added
+    assert any(f'target="{refused.url}"' in ln and "status=refused:not_allowed" in ln for ln in added), added
+
+
 def test_without_credentials_the_gateway_does_not_start(tmp_path: Path):
     proc = Proc.python("gateway", "serve", "--port", str(free_port()), "--service-discovery", "--selector", "app=x",
                        name="gateway", KUBECONFIG=str(tmp_path / "missing"), KUBERNETES_SERVICE_HOST="")
