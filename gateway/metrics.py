@@ -97,8 +97,9 @@ class GatewayMetrics:
         self.retries = Counter("kvgate_retries_total", "Requests re-sent to another worker before the first byte", registry=r)
         self.latency = Histogram("kvgate_request_duration_seconds", "Time to the last byte", ["route"], buckets=_LATENCY, registry=r)
         self.ttft = Histogram("kvgate_time_to_first_byte_seconds", "Time to the first streamed byte", ["route"], buckets=_LATENCY, registry=r)
+        # in a group each member's count includes its peers' (gateway.peers): the largest is the group's
         self.in_flight = Gauge("kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r,
-                               multiprocess_mode="livesum")
+                               multiprocess_mode="livemax")
         # in a group: 1 only while every member routes to the worker
         self.healthy = Gauge("kvgate_worker_healthy", "1 when the worker passes health checks", ["worker", "role"],
                              registry=r, multiprocess_mode="livemin")

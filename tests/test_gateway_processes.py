@@ -305,9 +305,10 @@ def test_members_share_bookings_so_a_burst_does_not_herd(start_sim):
         streams = []
         for k in range(1, 5):
             streams.append(Stream(proc))
-            # every member's view counts all k: the group's in-flight gauge sums two views
-            wait_for(lambda: metric_value(get_text(proc.url + "/metrics"), "kvgate_worker_in_flight") == 2 * k,
-                     why=f"both members count stream {k}")
+            # each stream is a peer's request to the member that did not route it
+            wait_for(lambda: metric_value(get_text(proc.url + "/metrics"),
+                                          "kvgate_state_peer_requests_in_flight") == k,
+                     why=f"the other member counts stream {k}")
         workers = json.loads(get_text(proc.url + "/workers"))["workers"]
         assert sorted(w["in_flight"] for w in workers) == [2, 2], workers
         assert all(s.error is None for s in streams)
