@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-cache-report", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-requests", action="store_true", help="one log line per finished request")
+    p.add_argument("--is-embedding", action="store_true",
+                   help="an embedding model: serves embeddings, encode, classify, rerank and score; refuses generation")
+    p.add_argument("--embedding-dim", type=int, default=64, help="simulator only: length of an embedding vector")
     # HiCache
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument("--hicache-ratio", type=float, default=None, help="host pool = ratio x device pool")

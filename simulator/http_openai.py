@@ -64,6 +64,13 @@ def _logprob_request(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     return (bool(value) if chat else value is not None), top or 0
 
 
+def refuse_if_embedding(engine: Engine) -> None:
+    """An embedding model serves no generation (SGLang's model has no LM head to sample from)."""
+    if engine.args.is_embedding:
+        raise ApiError(400, "This model is an embedding model (--is-embedding); it serves /v1/embeddings, /encode, "
+                            "/v1/classify, /classify, /v1/rerank and /v1/score, not generation.")
+
+
 def _items(engine: Engine, body: dict[str, Any], prompts: list[list[int]], stream: bool,
            chat: bool = True) -> list[Item]:
     params = _params(body)
@@ -122,6 +129,7 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
     except ApiError as e:
         return openai_error(e)
     try:
+        refuse_if_embedding(engine)
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
