@@ -162,6 +162,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "enable_priority_scheduling": a.enable_priority_scheduling,
         "enable_cache_report": a.enable_cache_report,
         "is_embedding": a.is_embedding,
+        "enable_response_store": a.enable_response_store,
         "enable_metrics": a.enable_metrics,
         "enable_hierarchical_cache": engine.host_tokens > 0,
         "hicache_ratio": a.hicache_ratio,
