@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from gateway import __version__
+from gateway.api_routes import add_api_routes
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.error_shape import normalized
@@ -289,6 +290,8 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     r.add_get("/readiness", readiness)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi_json)
+    r.add_put(GENERATE, generation_handler(GENERATE))  # SGLang takes both; sent upstream as POST
+    add_api_routes(app, state)  # embeddings, rerank, score, classify, Responses, /v1/models/{model}
     r.add_get("/workers", list_workers)
     r.add_post("/workers", add_worker)
     r.add_delete("/workers", remove_worker)
