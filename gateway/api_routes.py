@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import aiohttp
 import msgspec
 from aiohttp import web
+from yarl import URL
 
 from gateway.api_body import (CLASSIFY, DECISIONS, EMBEDDINGS, ENCODE, RERANK, RESPONSES, SCORE, V1_CLASSIFY,
                               ApiBody, parse_api_body, prompt_of)
@@ -185,7 +186,9 @@ class ApiRoutes:
         started = time.perf_counter()
         async with st.admission.slot():
             try:
-                async with st.session.request(request.method, worker.url + request.raw_path, data=raw or None,
+                # the client's path and query as it sent them (``encoded``: not spelled again)
+                async with st.session.request(request.method, URL(worker.url + request.raw_path, encoded=True),
+                                              data=raw or None,
                                               headers=upstream_headers(request, rid, worker)) as upstream:
                     data = await upstream.read()
                     ctype = upstream.headers.get("Content-Type", "application/json").split(";")[0]
