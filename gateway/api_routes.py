@@ -143,8 +143,8 @@ class ApiRoutes:
             ids, packed = await st.encoder.text(text)
         session = request.headers.get("X-Session-ID") or (body.user if isinstance(body.user, str) else None)
         max_tokens = body.max_output_tokens if type(body.max_output_tokens) is int else None
-        return RequestView(request_id=request_id_from(request.headers), route=route, model=body.model, text=text,
-                           token_ids=ids, packed_ids=packed, session_key=session, stream=bool(body.stream),
+        return RequestView(request_id=request_id_from(request.headers), route=route, model=body.model or None,
+                           text=text, token_ids=ids, packed_ids=packed, session_key=session, stream=bool(body.stream),
                            max_tokens=max_tokens,
                            cache_salt=body.cache_salt if isinstance(body.cache_salt, str) else None,
                            headers=request.headers)
