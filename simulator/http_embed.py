@@ -264,8 +264,8 @@ async def v1_score(request: web.Request) -> web.Response:
     for i, p in enumerate(results):
         ids = p.item.input_ids
         if labels is not None:
-            at = len(ids) + zlib.crc32(array("I", ids).tobytes()) % 1000  # a position that depends on the pair
-            lps = [token_logprob(t, at) for t in labels[i]]
+            # each label's logprob after this pair: a function of the pair and the label
+            lps = [token_logprob(t, zlib.crc32(array("I", [*ids, t]).tobytes()) % 1000) for t in labels[i]]
             token_lps.append(lps)
             scores.append(softmax([lp / temperature for lp in lps]) if soft else [round(math.exp(lp), 6) for lp in lps])
         else:
