@@ -16,6 +16,7 @@ from wire.chat_template import apply_chat_template
 
 EMBEDDINGS, RERANK, SCORE, V1_CLASSIFY = "/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify"
 DECISIONS, ENCODE, CLASSIFY, RESPONSES = "/v1/decisions", "/encode", "/classify", "/v1/responses"
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's Messages API
 
 
 class ApiBody(msgspec.Struct):
@@ -27,6 +28,8 @@ class ApiBody(msgspec.Struct):
     input_ids: Any = None
     query: Any = None  # rerank, score, decisions
     instructions: Any = None  # responses
+    messages: Any = None  # Anthropic messages
+    system: Any = None
     max_output_tokens: Any = None
     user: Any = None
     cache_salt: Any = None
@@ -83,14 +86,15 @@ def prompt_of(route: str, body: ApiBody) -> tuple[str | None, list[int] | None]:
     if route in (RERANK, SCORE, DECISIONS):
         query = body.query
         return (query, None) if isinstance(query, str) and query else (None, _ids(query))
-    if route == RESPONSES:
+    if route in (RESPONSES, MESSAGES, COUNT_TOKENS):
+        system, turns = (body.instructions, body.input) if route == RESPONSES else (body.system, body.messages)
         messages: list[dict[str, Any]] = []
-        if isinstance(body.instructions, str):
-            messages.append({"role": "system", "content": body.instructions})
-        if isinstance(body.input, str):
-            messages.append({"role": "user", "content": body.input})
-        elif isinstance(body.input, list):
-            messages += [m for m in body.input if isinstance(m, dict) and isinstance(m.get("role"), str)]
+        if isinstance(system, (str, list)):
+            messages.append({"role": "system", "content": system})
+        if isinstance(turns, str):
+            messages.append({"role": "user", "content": turns})
+        elif isinstance(turns, list):
+            messages += [m for m in turns if isinstance(m, dict) and isinstance(m.get("role"), str)]
         try:
             return (apply_chat_template(messages), None) if messages else (None, None)
         except TypeError:  # a part whose text is no string: the engine words the error

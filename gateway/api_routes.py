@@ -1,9 +1,11 @@
 """The client routes SGLang serves beyond chat, completions and generate.
 
 - ``GET /v1/models/{model}``: answered here from the models the healthy workers serve.
-- Embeddings, rerank, score, classify, decisions and SGLang's native ``/encode`` and
-  ``/classify``: one worker serving the body's ``model``, chosen by the policy and
-  forwarded with chat's machinery (original bytes, retries, holds, metrics; ``gateway.proxy``).
+- Embeddings, rerank, score, classify, decisions, SGLang's native ``/encode`` and
+  ``/classify``, and Anthropic's Messages API: one worker serving the body's ``model``,
+  chosen by the policy and forwarded with chat's machinery (original bytes, retries, holds,
+  metrics; ``gateway.proxy``). An engine's Anthropic-shaped errors pass through as they
+  are (both shapes nest ``error.message`` and ``error.type``); the gateway's own are OpenAI's.
 - The Responses API: a create goes where the policy says, and the worker that answers
   is remembered as the owner of the response's id (``gateway.responses``). A create that
   names a ``previous_response_id``, and every retrieve, cancel, input_items or delete, goes
@@ -25,8 +27,8 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from gateway.api_body import (CLASSIFY, DECISIONS, EMBEDDINGS, ENCODE, RERANK, RESPONSES, SCORE, V1_CLASSIFY,
-                              ApiBody, parse_api_body, prompt_of)
+from gateway.api_body import (CLASSIFY, COUNT_TOKENS, DECISIONS, EMBEDDINGS, ENCODE, MESSAGES, RERANK, RESPONSES,
+                              SCORE, V1_CLASSIFY, ApiBody, parse_api_body, prompt_of)
 from gateway.attempts import Failure, failed
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError
@@ -46,6 +48,7 @@ _json = msgspec.json.encode
 ONE_WORKER: dict[str, tuple[str, ...]] = {
     EMBEDDINGS: ("POST",), RERANK: ("POST", "PUT"), SCORE: ("POST",), V1_CLASSIFY: ("POST",),
     DECISIONS: ("POST",), ENCODE: ("POST", "PUT"), CLASSIFY: ("POST", "PUT"),
+    MESSAGES: ("POST",), COUNT_TOKENS: ("POST",),
 }
 RESPONSE = "/v1/responses/{response_id}"
 FOLLOW_UPS: tuple[tuple[str, str], ...] = (
@@ -53,7 +56,7 @@ FOLLOW_UPS: tuple[tuple[str, str], ...] = (
 
 
 EMBEDDING_ONLY = frozenset({EMBEDDINGS, V1_CLASSIFY, ENCODE, CLASSIFY, RERANK})
-GENERATION_ONLY = frozenset({RESPONSES})
+GENERATION_ONLY = frozenset({RESPONSES, MESSAGES, COUNT_TOKENS})
 
 
 class ByKind(Unified):

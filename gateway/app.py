@@ -285,6 +285,8 @@ def build_app(cfg: GatewayConfig) -> web.Application:
         r.add_get(path, info_passthrough)
     for path in ("/v1/tokenize", "/tokenize", "/v1/detokenize", "/detokenize"):
         r.add_post(path, info_passthrough)
+    for path in ("/parse_function_call", "/separate_reasoning"):  # SGLang's stateless parsers: any worker's
+        r.add_post(path, info_passthrough)
     r.add_get("/health", health)
     r.add_get("/liveness", health)
     r.add_get("/readiness", readiness)

@@ -48,6 +48,20 @@ SCHEMAS: dict[str, Any] = {
                        "input_ids": {"oneOf": [_TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
                        "rid": {"type": "string"}},
     },
+    "ParseRequest": {"type": "object", "required": ["text"], "description": "the engine checks the parser fields",
+                     "properties": {"text": {"type": "string"}}},
+    "MessagesRequest": {
+        "type": "object", "required": ["model", "messages", "max_tokens"], "description": "Anthropic's Messages API",
+        "properties": {"model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1}, "stream": {"type": "boolean"},
+                       "system": {"type": "string"},
+                       "messages": {"type": "array", "minItems": 1, "items": {
+                           "type": "object", "required": ["role", "content"],
+                           "properties": {"role": {"type": "string", "enum": ["user", "assistant"]},
+                                          "content": {"type": "string"}}}}},
+    },
+    "CountTokensRequest": {"type": "object", "required": ["model", "messages"], "description": "Anthropic's",
+                           "properties": {"model": _MODEL, "system": {"type": "string"},
+                                          "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}}}},
     "ResponsesRequest": {
         "type": "object", "required": ["input"],
         "properties": {"model": _MODEL, "input": {"oneOf": [{"type": "string", "minLength": 1}, {
@@ -107,6 +121,9 @@ def api_paths() -> dict[str, Any]:
         "/v1/decisions": {"post": _post("SGLang's decisions (one worker)", "DecisionsRequest")},
         "/encode": {m: _post("SGLang's native embedding (one worker)", "EncodeRequest") for m in ("post", "put")},
         "/classify": {m: _post("SGLang's native classification (one worker)", "EncodeRequest") for m in ("post", "put")},
+        "/v1/messages": {"post": _post("Anthropic's Messages API (one worker serving the model)", "MessagesRequest",
+                                       stream=True)},
+        "/v1/messages/count_tokens": {"post": _post("Anthropic's token count (one worker)", "CountTokensRequest")},
         "/v1/responses": {"post": _post("create a response; with previous_response_id, on the worker that holds it",
                                         "ResponsesRequest", *_PROXIED, 410, stream=True)},
         response: {"get": _path_param("response_id", _get("a stored response, from the worker that holds it", *_OWNER)),
@@ -126,6 +143,10 @@ def other_paths() -> dict[str, Any]:
     return {
         "/server_info": info, "/get_server_info": info, "/model_info": info, "/get_model_info": info,
         "/tokenize": tokenize, "/detokenize": detokenize,
+        "/parse_function_call": {"post": _post("a worker's tool-call parser on a text (SGLang's)", "ParseRequest",
+                                               400, 401, 503)},
+        "/separate_reasoning": {"post": _post("a worker's reasoning parser on a text (SGLang's)", "ParseRequest",
+                                              400, 401, 503)},
         "/openapi.json": {"get": _get("this document")},
         "/flush_cache": {"post": {"summary": "flush every healthy worker's cache (admin)",
                                   "responses": {"200": {"description": "flushed"}, **admin}}},

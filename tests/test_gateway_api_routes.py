@@ -137,17 +137,19 @@ def test_logprobs_through_the_gateway(client):
     assert plain.choices[0].logprobs is None
 
 
-def test_decisions_are_forwarded_to_a_worker(mixed):
-    """SGLang's /v1/decisions: the simulator has none, so the worker's own 404 comes back."""
+@pytest.mark.parametrize("path", ["/v1/decisions", "/v1/messages", "/v1/messages/count_tokens"])
+def test_routes_the_simulator_lacks_are_forwarded_to_a_worker(mixed, path):
+    """SGLang's decisions and Anthropic's Messages API: the simulator serves neither, so the
+    worker's own 404 comes back, after a routed attempt."""
     gw, chat, embed = mixed
-    before = routed(gw, chat) + routed(gw, embed)
-    status, body = post(gw, "/v1/decisions", {"model": MODEL, "input": "x"})
+    before = routed(gw, chat)
+    status, body = post(gw, path, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
     assert status == 404 and body["error"]["type"] == "not_found_error"
-    assert routed(gw, chat) + routed(gw, embed) == before + 1
+    assert routed(gw, chat) == before + 1
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/encode", "/classify",
-                                  "/v1/decisions", "/v1/responses"])
+                                  "/v1/decisions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"])
 @pytest.mark.parametrize("body,status", [
     (b"", 400), (b"{not json", 400), (b'"a string"', 400), (b'{"model": 5}', 400),
     (b'{"model": "no-such-model", "input": "x"}', 404),

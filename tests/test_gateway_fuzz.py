@@ -26,7 +26,7 @@ from tests.support import Proc, request_json
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 API_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v1/decisions", "/encode", "/classify",
-              "/v1/responses")
+              "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 RESPONSE = "/v1/responses/{response_id}"
 ERROR_SHAPED = (*GENERATION_ROUTES, *API_ROUTES, "/v1/tokenize", "/v1/detokenize", "/tokenize", "/detokenize",
                 "/v1/models/{model}", RESPONSE, RESPONSE + "/cancel", RESPONSE + "/input_items")  # every error OpenAI's

@@ -74,7 +74,8 @@ class Recorder:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         for p in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank",
-                  "/v1/score", "/v1/classify", "/v1/decisions", "/encode", "/classify"):
+                  "/v1/score", "/v1/classify", "/v1/decisions", "/encode", "/classify", "/v1/messages",
+                  "/v1/messages/count_tokens", "/parse_function_call", "/separate_reasoning"):
             app.router.add_post(p, self._record)
         app.router.add_post("/v1/responses", self._responses)
         for method, p in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
@@ -125,6 +126,9 @@ def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[
     ("/encode", b'{"text":"a","rid":"e-1","dimensions":4}'),
     ("/classify", b'{"input_ids":[[1,2],[3]]}'),
     ("/v1/responses", b'{"model":"rec-model","input":[{"role":"user","content":"hi"}],"store":true,"zz":{}}'),
+    ("/v1/messages", b'{"model":"rec-model","max_tokens":8,"system":[{"type":"text","text":"s"}],'
+                     b'"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}'),
+    ("/v1/messages/count_tokens", b'{"model":"rec-model","messages":[{"role":"user","content":"hi"}]}'),
 ])
 def test_body_reaches_the_engine_byte_for_byte(start_gateway, route, body):
     with Recorder() as rec:
@@ -147,6 +151,14 @@ def test_request_id_is_generated_when_absent_and_worker_key_replaces_client_key(
         status, body, _ = post(gw.url + "/generate", b'{"text":"a"}', {"Authorization": "Bearer wrong"})
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
         assert len(rec.bodies) == 1
+
+
+def test_parsers_are_any_workers_and_get_the_body_as_sent(start_gateway):
+    with Recorder() as rec:
+        gw = start_gateway(rec.url)
+        for route, body in (("/parse_function_call", b'{"text":"<tool>x</tool>","tool_call_parser":"llama3"}'),
+                            ("/separate_reasoning", b'{"text":"<think>a</think>b", "reasoning_parser":"qwen3"}')):
+            assert post(gw.url + route, body)[0] == 200 and rec.bodies[-1] == body
 
 
 def get(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
