@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 import msgspec
@@ -53,8 +53,6 @@ ONE_WORKER: dict[str, tuple[str, ...]] = {
 RESPONSE = "/v1/responses/{response_id}"
 FOLLOW_UPS: tuple[tuple[str, str], ...] = (
     ("GET", RESPONSE), ("DELETE", RESPONSE), ("POST", RESPONSE + "/cancel"), ("GET", RESPONSE + "/input_items"))
-
-
 EMBEDDING_ONLY = frozenset({EMBEDDINGS, V1_CLASSIFY, ENCODE, CLASSIFY, RERANK})
 GENERATION_ONLY = frozenset({RESPONSES, MESSAGES, COUNT_TOKENS})
 
@@ -93,7 +91,7 @@ class ApiRoutes:
         st = self.state
         made: list[ByKind] = []
 
-        def target(freed):
+        def target(freed: Callable[[], None]) -> ByKind:
             made.append(ByKind(st.registry, st.policy, st.session, st.metrics, freed, st.peers or ALONE))
             return made[-1]
 
@@ -114,7 +112,7 @@ class ApiRoutes:
         return web.Response(body=_json(card), content_type="application/json")
 
     # --- one worker, chosen by the policy ---------------------------------------------------
-    def one_worker(self, route: str):
+    def one_worker(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             return await self._proxied(request, route)
 

@@ -17,8 +17,9 @@ from aiohttp import web
 
 
 
-# A Responses stream as SGLang frames it (no [DONE]), sent in pieces that cut its first
-# event, the one naming the response, in the middle.
+# A Responses stream as SGLang frames it (no [DONE]), written in pieces that cut its first
+# event, the one naming the response, in the middle (tests/test_response_owners.py reads
+# it cut at every size).
 STREAM = (b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_wire","object":'
           b'"response","status":"in_progress"},"sequence_number":0}\n\n'
           b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"h\\u00e9",'
@@ -54,8 +55,7 @@ class Recorder:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for start, end in zip((0, *STREAM_CUTS), (*STREAM_CUTS, len(STREAM))):
-            await resp.write(STREAM[start:end])
-            await asyncio.sleep(0.01)  # each piece its own chunk on the gateway's side
+            await resp.write(STREAM[start:end])  # one write each (the gateway may still read several at once)
         await resp.write_eof()
         return resp
 
