@@ -271,7 +271,7 @@ class Engine:
                     index=idx, rid=rid, input_ids=list(prompt), params=params, stream=body.stream,
                     return_logprob=bool(pick(body.return_logprob, i)),
                     logprob_start_len=pick(body.logprob_start_len, i) if body.logprob_start_len is not None else -1,
-                    top_logprobs_num=_top_num(pick(body.top_logprobs_num, i)),
+                    top_logprobs_num=max(pick(body.top_logprobs_num, i) or 0, 0),
                     return_text_in_logprobs=body.return_text_in_logprobs,
                     bootstrap_host=pick(body.bootstrap_host, idx), bootstrap_port=pick(body.bootstrap_port, idx),
                     bootstrap_room=pick(body.bootstrap_room, idx), cache_salt=pick(body.cache_salt, i),
@@ -395,15 +395,9 @@ class Engine:
             start = max(item.logprob_start_len, 0) if item.logprob_start_len >= 0 else len(req.input_ids)
             if self.mode == "decode":
                 start = len(req.input_ids)
-            text = self._token_text if item.return_text_in_logprobs else None
+            text = (lambda t: self.tokenizer.decode([t])) if item.return_text_in_logprobs else None
             meta.update(logprobs.native(req.input_ids, req.planned.out[:n], start, item.top_logprobs_num, text))
         return meta
-
-    def _token_text(self, token_id: int) -> str:
-        try:
-            return self.tokenizer.decode([token_id])
-        except Exception:  # an id the tokenizer does not know: SGLang would show its piece
-            return ""
 
     def output_ids(self, req: Req, n: int, sent: int = 0) -> list[int]:
         ids = list(req.planned.out[:n])
@@ -452,14 +446,6 @@ def _rank_config(cfg: dict, rank: int) -> dict:
             head, port = out[key].rsplit(":", 1)
             out[key] = f"{head}:{int(port) + rank}"
     return out
-
-
-def _top_num(value: object) -> int:
-    if value is None:
-        return 0
-    if type(value) is not int or value < 0:
-        raise ApiError(400, f"top_logprobs_num must be a non-negative integer, got {value!r}")
-    return value
 
 
 def _unknown_field_message(err: str) -> str:

@@ -58,6 +58,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if engine.args.is_embedding:
             raise ApiError(400, "This model is an embedding model (--is-embedding) and does not serve /generate; "
                                 "use /encode or /v1/embeddings.")
+        tops = body.top_logprobs_num if isinstance(body.top_logprobs_num, list) else [body.top_logprobs_num]
+        if any(k is not None and k < 0 for k in tops):
+            raise ApiError(400, f"top_logprobs_num must not be negative, got {body.top_logprobs_num!r}")
         items, batch = engine.items_from_generate(body)
         for it in items:
             engine.validate(it)
