@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from gateway import __version__, audit
+from gateway.api_routes import add_api_routes
 from gateway.auth import bearer_token, key_matches
 from gateway.config import GatewayConfig
 from gateway.error_shape import normalized
@@ -213,19 +214,13 @@ def build_app(cfg: GatewayConfig) -> web.Application:
         r.add_get(path, info_passthrough)
     for path in ("/v1/tokenize", "/tokenize", "/v1/detokenize", "/detokenize"):
         r.add_post(path, info_passthrough)
+    for path in ("/parse_function_call", "/separate_reasoning"):  # SGLang's stateless parsers: any worker's
+        r.add_post(path, info_passthrough)
     r.add_get("/health", health)
     r.add_get("/liveness", health)
     r.add_get("/readiness", readiness)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi_json)
-    from gateway import admin  # its handlers read STATE from this module
-
-    r.add_get("/workers", admin.list_workers)
-    r.add_post("/workers", admin.add_worker)
-    r.add_delete("/workers", admin.remove_worker)
-    r.add_delete("/workers/{url:.+}", admin.remove_worker)
-    r.add_post("/add_worker", admin.add_worker)  # sglang-router's spelling
-    r.add_post("/remove_worker", admin.remove_worker)
-    r.add_post("/abort_request", admin.abort_request)
-    r.add_post("/flush_cache", admin.flush_cache)
+from gateway import __version__, audit
+from gateway.api_routes import add_api_routes
     return app

@@ -14,6 +14,8 @@ import msgspec
 from aiohttp import web
 
 from gateway import __version__
+from gateway.openapi_api import SCHEMAS as API_SCHEMAS
+from gateway.openapi_api import api_paths, other_paths
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
@@ -156,12 +158,15 @@ def build_spec() -> dict[str, Any]:
                        "responses": {"200": {"description": "removed"}, **_errors(401, 403, 404)}},
         },
     }
+    paths["/generate"]["put"] = paths["/generate"]["post"]  # SGLang takes both
+    paths.update(other_paths())
+    paths.update(api_paths())
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvgate", "version": __version__,
                  "description": "Cache-aware gateway in front of SGLang workers; OpenAI-compatible."},
         "paths": paths,
-        "components": {"schemas": SCHEMAS,
+        "components": {"schemas": {**SCHEMAS, **API_SCHEMAS},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}, {}],
     }

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import aiohttp
 import msgspec
@@ -167,13 +167,15 @@ class Unified:
         self.metrics = metrics
         self.freed = freed
         self.peers = peers
+        # route -> make(worker url, stream): a tap that sees each 2xx body chunk relayed
+        # from that worker (``gateway.responses`` learns response owners so)
+        self.taps: dict[str, Callable[[str, bool], Callable[[bytes], None]]] = {}
 
     async def decide(self, view: RequestView, tried: Tried) -> tuple[Worker, Choice] | Hold:
         # Prefer workers not tried yet; when every one was, any available one that did not
         # time out (a fault may be the request's bad luck, not the worker's; the breaker
         # catches the rest).
-        workers = self.registry.candidates(view.model, exclude=tried.urls) or (
-            self.registry.candidates(view.model, exclude=tried.timed_out) if tried.urls else [])
+        workers = self.candidates(view, tried.urls) or (self.candidates(view, tried.timed_out) if tried.urls else [])
         if not workers:
             raise NoWorkerAvailable
         choice = await select(self.policy, view, [w.view for w in workers])
@@ -183,6 +185,10 @@ class Unified:
         if worker is None:
             raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
         return worker, choice
+
+    def candidates(self, view: RequestView, exclude: Sequence[str]) -> list[Worker]:
+        """The available workers that may serve ``view``, but those in ``exclude``."""
+        return self.registry.candidates(view.model, exclude=exclude)
 
     @staticmethod
     def urls(pick: tuple[Worker, Choice]) -> tuple[str]:
@@ -235,9 +241,11 @@ class Unified:
                 outcome = Outcome(ok=False, status=upstream.status, error=data[:200].decode(errors="replace"))
                 failed(worker, f"http_{upstream.status}", outcome.error or "", metrics)
                 return Failure.answered(upstream.status, data, ctype)
+            make_tap = self.taps.get(view.route) if upstream.status < 300 else None
             if ctype.startswith("text/event-stream"):
                 response, outcome = await relay(request, view, worker, upstream, started, self.policy, metrics,
-                                                self.freed, peers=self.peers)
+                                                self.freed, peers=self.peers,
+                                                tap=make_tap(worker.url, True) if make_tap else None)
                 return response
             try:
                 data = await upstream.read()
@@ -248,6 +256,8 @@ class Unified:
             if outcome.error is MALFORMED and upstream.status < 400:
                 return failed(worker, "malformed", f"{MALFORMED}: {data[:80]!r}", metrics)
             worker.breaker.record_success()
+            if make_tap is not None:
+                make_tap(worker.url, False)(data)
             self.policy.on_first_token(view, worker.view)
             self.peers.first_token(view, worker.view)
             self.freed()
@@ -265,8 +275,10 @@ class Unified:
 
 async def relay(request: web.Request, view: RequestView, worker: Worker, upstream: aiohttp.ClientResponse,
                 started: float, policy: Policy, metrics: GatewayMetrics, freed: Callable[[], None], *,
-                first: bytes | None = None, peers: Local = ALONE) -> tuple[web.StreamResponse | Failure, Outcome]:
-    """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it).
+                first: bytes | None = None, peers: Local = ALONE,
+                tap: Callable[[bytes], None] | None = None) -> tuple[web.StreamResponse | Failure, Outcome]:
+    """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it);
+    ``tap`` sees each chunk just before the client does.
     A failure before the first chunk is answered as a ``Failure`` (nothing reached the
     client: the loop may retry); after it, the stream ends with a JSON error event."""
     chunks = upstream.content.iter_any()
@@ -295,6 +307,8 @@ async def relay(request: web.Request, view: RequestView, worker: Worker, upstrea
     failure: str | None = None
     while True:
         if chunk:
+            if tap is not None:
+                tap(chunk)
             try:
                 await response.write(chunk)
             except (ConnectionResetError, ConnectionError, RuntimeError):

@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are verified against")
     p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="simulator only (uvicorn's option): client certificate 0 not asked, 1 optional, 2 required")
+    p.add_argument("--is-embedding", action="store_true",
+                   help="an embedding model: serves embeddings, encode, classify, rerank and score; refuses generation")
+    p.add_argument("--embedding-dim", type=int, default=64, help="simulator only: length of an embedding vector")
+    p.add_argument("--enable-response-store", action="store_true",
+                   help="keep Responses for retrieval, previous_response_id, cancel and background (SGLang's option)")
+    p.add_argument("--response-store-size", type=int, default=10_000,
+                   help="simulator only: stored Responses kept, the least recently used dropped first")
     # HiCache
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument("--hicache-ratio", type=float, default=None, help="host pool = ratio x device pool")

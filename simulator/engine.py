@@ -26,7 +26,8 @@ from wire.tokenizer import ByteTokenizer, load_tokenizer
 from .clock import SimClock
 from .config import version_tuple
 from .cost_model import CostModel
-from .generation import plan_output, seed_for, token_logprob
+from . import logprobs
+from .generation import plan_output, seed_for
 from .kv_publisher import KVEventPublisher
 from .metrics import Metrics
 from .profiles import get_profile
@@ -73,6 +74,8 @@ class Item:
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -268,6 +271,8 @@ class Engine:
                     index=idx, rid=rid, input_ids=list(prompt), params=params, stream=body.stream,
                     return_logprob=bool(pick(body.return_logprob, i)),
                     logprob_start_len=pick(body.logprob_start_len, i) if body.logprob_start_len is not None else -1,
+                    top_logprobs_num=max(pick(body.top_logprobs_num, i) or 0, 0),
+                    return_text_in_logprobs=body.return_text_in_logprobs,
                     bootstrap_host=pick(body.bootstrap_host, idx), bootstrap_port=pick(body.bootstrap_port, idx),
                     bootstrap_room=pick(body.bootstrap_room, idx), cache_salt=pick(body.cache_salt, i),
                     priority=body.priority, seed_offset=j,
@@ -390,11 +395,8 @@ class Engine:
             start = max(item.logprob_start_len, 0) if item.logprob_start_len >= 0 else len(req.input_ids)
             if self.mode == "decode":
                 start = len(req.input_ids)
-            meta["input_token_logprobs"] = [
-                [None if i == 0 else token_logprob(t, i), t, None] for i, t in enumerate(req.input_ids) if i >= start
-            ]
-            out = req.planned.out
-            meta["output_token_logprobs"] = [[token_logprob(out[i], i), out[i], None] for i in range(n)]
+            text = (lambda t: self.tokenizer.decode([t])) if item.return_text_in_logprobs else None
+            meta.update(logprobs.native(req.input_ids, req.planned.out[:n], start, item.top_logprobs_num, text))
         return meta
 
     def output_ids(self, req: Req, n: int, sent: int = 0) -> list[int]:

@@ -55,6 +55,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         return native_error(ApiError(400, str(e)))
     try:
+        if engine.args.is_embedding:
+            raise ApiError(400, "This model is an embedding model (--is-embedding) and does not serve /generate; "
+                                "use /encode or /v1/embeddings.")
+        tops = body.top_logprobs_num if isinstance(body.top_logprobs_num, list) else [body.top_logprobs_num]
+        if any(k is not None and k < 0 for k in tops):
+            raise ApiError(400, f"top_logprobs_num must not be negative, got {body.top_logprobs_num!r}")
         items, batch = engine.items_from_generate(body)
         for it in items:
             engine.validate(it)
@@ -158,6 +164,8 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "schedule_policy": a.schedule_policy,
         "enable_priority_scheduling": a.enable_priority_scheduling,
         "enable_cache_report": a.enable_cache_report,
+        "is_embedding": a.is_embedding,
+        "enable_response_store": a.enable_response_store,
         "enable_metrics": a.enable_metrics,
         "enable_hierarchical_cache": engine.host_tokens > 0,
         "hicache_ratio": a.hicache_ratio,
@@ -192,7 +200,8 @@ async def get_server_info(request: web.Request) -> web.Response:
 async def model_info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     return json_response({
-        "model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
+        "model_path": engine.model_path, "tokenizer_path": engine.model_path,
+        "served_model_name": engine.args.model_name, "is_generation": not engine.args.is_embedding,
         "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
         "has_audio_understanding": False, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
     })
@@ -205,6 +214,17 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "sglang", "root": engine.model_path, "parent": None,
         "max_model_len": engine.profile.context_length,
     }]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """SGLang's ``GET /v1/models/{model}``: the served model's card, else its 404."""
+    engine = request.app[ENGINE]
+    name = request.match_info["model"]
+    if name != engine.args.model_name:
+        return json_response({"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                                        "param": "model", "code": "model_not_found"}}, 404)
+    return json_response({"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                          "root": name, "parent": None, "max_model_len": engine.profile.context_length})
 
 
 def engine_created(engine: Engine) -> float:
@@ -288,5 +308,6 @@ def add_routes(app: web.Application) -> None:
                     ("/model_info", model_info), ("/get_model_info", model_info), ("/v1/models", models),
                     ("/get_load", get_load), ("/v1/loads", v1_loads), ("/metrics", metrics)):
         r.add_get(path, h)
+    r.add_get("/v1/models/{model:.+}", retrieve_model)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)

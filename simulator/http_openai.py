@@ -18,6 +18,7 @@ from aiohttp import web
 
 from wire.chat_template import sglang_tools, template_kwargs
 
+from . import logprobs
 from .engine import ApiError, Engine, Item, check_client_ids
 from .http_common import DONE, ENGINE, json_object, json_response, open_sse, openai_error, sse
 from .http_native import apply_faults
@@ -52,8 +53,28 @@ def _params(body: dict[str, Any]) -> SamplingParams:
         raise ApiError(400, str(e)) from None
 
 
-def _items(engine: Engine, body: dict[str, Any], prompts: list[list[int]], stream: bool) -> list[Item]:
+def _logprob_request(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """(return logprobs, top candidates per token), as SGLang reads them: chat's ``logprobs``
+    (bool) and ``top_logprobs``; a completion's ``logprobs`` (its top count; 0 is tokens only)."""
+    value, top = body.get("logprobs"), body.get("top_logprobs") if chat else body.get("logprobs")
+    if value is not None and (type(value) is not bool if chat else type(value) is not int or value < 0):
+        raise ApiError(400, "logprobs must be a boolean" if chat else "logprobs must be a non-negative integer")
+    if top is not None and (type(top) is not int or top < 0):
+        raise ApiError(400, "top_logprobs must be a non-negative integer")
+    return (bool(value) if chat else value is not None), top or 0
+
+
+def refuse_if_embedding(engine: Engine) -> None:
+    """An embedding model serves no generation (SGLang's model has no LM head to sample from)."""
+    if engine.args.is_embedding:
+        raise ApiError(400, "This model is an embedding model (--is-embedding); it serves /v1/embeddings, /encode, "
+                            "/v1/classify, /classify, /v1/rerank and /v1/score, not generation.")
+
+
+def _items(engine: Engine, body: dict[str, Any], prompts: list[list[int]], stream: bool,
+           chat: bool = True) -> list[Item]:
     params = _params(body)
+    return_logprob, top = _logprob_request(body, chat)
     rid = body.get("rid")
     items = []
     idx = 0
@@ -68,7 +89,7 @@ def _items(engine: Engine, body: dict[str, Any], prompts: list[list[int]], strea
                 bootstrap_room=_pick(body.get("bootstrap_room"), idx), cache_salt=body.get("cache_salt"),
                 priority=body.get("priority"), seed_offset=j,
                 dp_rank=body.get("routed_dp_rank", body.get("data_parallel_rank")),
-                return_logprob=bool(body.get("logprobs")),
+                return_logprob=return_logprob, top_logprobs_num=top,
             ))
             idx += 1
     for it in items:
@@ -108,6 +129,7 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
     except ApiError as e:
         return openai_error(e)
     try:
+        refuse_if_embedding(engine)
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
@@ -116,7 +138,7 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
         else:
             prompts = _prompts(engine, body.get("prompt"))
         stream = bool(body.get("stream"))
-        items = _items(engine, body, prompts, stream)
+        items = _items(engine, body, prompts, stream, chat)
         await apply_faults(engine)
         if stream:
             return await _stream(request, engine, body, items, chat)
@@ -130,18 +152,28 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
     for p in results:
         reason, matched = _finish(engine, p)
         text = engine.text_of(p.req, p.n)
+        lps = _choice_logprobs(p, 0, chat)
         if chat:
             choices.append({"index": p.item.index, "message": {"role": "assistant", "content": text,
-                            "reasoning_content": None, "tool_calls": None}, "logprobs": None,
+                            "reasoning_content": None, "tool_calls": None}, "logprobs": lps,
                             "finish_reason": reason, "matched_stop": matched})
         else:
-            choices.append({"index": p.item.index, "text": text, "logprobs": None, "finish_reason": reason,
+            choices.append({"index": p.item.index, "text": text, "logprobs": lps, "finish_reason": reason,
                             "matched_stop": matched})
     return json_response({
         "id": results[0].req.rid, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": body.get("model") or engine.args.model_name, "choices": choices,
         "usage": _usage(engine, results), "metadata": {"weight_version": "default"},
     })
+
+
+def _choice_logprobs(p: Progress, first: int, chat: bool) -> dict[str, Any] | None:
+    """A choice's logprobs for its output tokens ``first`` .. ``p.n`` (None: not asked for)."""
+    if not p.item.return_logprob:
+        return None
+    out = p.req.planned.out[:p.n]
+    k = p.item.top_logprobs_num
+    return logprobs.chat(out, first, k) if chat else logprobs.completion(out, first, k)
 
 
 def chat_ids(engine: Engine, body: dict[str, Any], messages: list[Any]) -> list[int]:
@@ -185,6 +217,7 @@ async def _stream(request: web.Request, engine: Engine, body: dict[str, Any], it
     include_usage = bool(opts.get("include_usage"))
     continuous_usage = bool(opts.get("continuous_usage_stats"))
     sent_chars: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
     last: dict[int, Progress] = {}
 
     def chunk(choice: dict[str, Any], usage: Any = None) -> bytes:
@@ -208,11 +241,13 @@ async def _stream(request: web.Request, engine: Engine, body: dict[str, Any], it
         if not delta and reason is None:
             continue
         usage = _usage(engine, [p]) if continuous_usage else None
+        lps = _choice_logprobs(p, sent_tokens.get(p.item.index, 0), chat)
+        sent_tokens[p.item.index] = p.n
         if chat:
             await resp.write(chunk({"index": p.item.index, "delta": {"content": delta} if delta else {},
-                                    "logprobs": None, "finish_reason": reason, "matched_stop": matched}, usage))
+                                    "logprobs": lps, "finish_reason": reason, "matched_stop": matched}, usage))
         else:
-            await resp.write(chunk({"index": p.item.index, "text": delta, "logprobs": None,
+            await resp.write(chunk({"index": p.item.index, "text": delta, "logprobs": lps,
                                     "finish_reason": reason, "matched_stop": matched}, usage))
     if include_usage and last:
         await resp.write(sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],

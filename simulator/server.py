@@ -34,7 +34,7 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 
 def build_app(engine: Engine) -> web.Application:
-    from . import http_native, http_openai, http_tokenize
+    from . import http_embed, http_native, http_openai, http_responses, http_tokenize
 
     app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[fastapi_shapes])
     app.on_response_prepare.append(_server_header)
@@ -42,6 +42,8 @@ def build_app(engine: Engine) -> web.Application:
     http_native.add_routes(app)
     http_openai.add_routes(app)
     http_tokenize.add_routes(app)
+    http_embed.add_routes(app)
+    http_responses.add_routes(app)
     return app
 
 

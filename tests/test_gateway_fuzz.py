@@ -18,12 +18,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from gateway.app import build_app
+from gateway.config import GatewayConfig
 from gateway.openapi import build_spec
 from tests.conftest import MODEL, _start_gateway, _start_sim
 from tests.support import Proc, request_json
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
-ERROR_SHAPED = (*GENERATION_ROUTES, "/v1/tokenize", "/v1/detokenize")  # every error rewrapped as OpenAI's
+API_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v1/decisions", "/encode", "/classify",
+              "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+RESPONSE = "/v1/responses/{response_id}"
+ERROR_SHAPED = (*GENERATION_ROUTES, *API_ROUTES, "/v1/tokenize", "/v1/detokenize", "/tokenize", "/detokenize",
+                "/v1/models/{model}", RESPONSE, RESPONSE + "/cancel", RESPONSE + "/input_items")  # every error OpenAI's
 FUZZ = settings(max_examples=50, deadline=10_000, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
@@ -31,15 +37,19 @@ schema = schemathesis.openapi.from_dict(build_spec())
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=50)
 # Worker registration would make the gateway dial whatever URL was generated: not fuzzed here
 # (tests/test_gateway_security.py and test_gateway_faults.py cover it).
-schema = schema.exclude(name=["POST /workers", "DELETE /workers"])
+schema = schema.exclude(name=["POST /workers", "DELETE /workers", "POST /add_worker", "POST /remove_worker",
+                              "DELETE /workers/{url}"])
 
 
 @pytest.fixture(scope="module")
 def gateway():
     procs: list[Proc] = []
     try:
-        sim = _start_sim(procs, "--time-scale", "1000", "--max-total-tokens", "4096", "--context-length", "2048")
-        yield _start_gateway(procs, sim.url, args=("--request-timeout-secs", "10", "--max-payload-size", "65536"))
+        limits = ("--time-scale", "1000", "--max-total-tokens", "4096", "--context-length", "2048")
+        sim = _start_sim(procs, *limits, "--enable-response-store")
+        embed = _start_sim(procs, *limits, "--is-embedding", "--model-name", "sim-embed", name="embed")
+        yield _start_gateway(procs, sim.url, embed.url,
+                             args=("--request-timeout-secs", "10", "--max-payload-size", "65536"))
     finally:
         for p in procs:
             p.stop()
@@ -56,8 +66,17 @@ def assert_openai_error(status: int, raw: bytes, what: object) -> None:
 def test_openapi_document_is_served(gateway):
     status, doc = request_json("GET", gateway.url + "/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.")
-    assert {"/v1/chat/completions", "/v1/completions", "/generate", "/workers"} <= set(doc["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/generate", "/workers", *API_ROUTES, RESPONSE,
+            "/v1/models/{model}"} <= set(doc["paths"])
     assert doc["components"]["schemas"]["ChatCompletionRequest"]["required"] == ["model", "messages"]
+
+
+def test_openapi_document_lists_every_route_the_gateway_serves():
+    served = {(route.method, route.resource.canonical) for route in build_app(GatewayConfig()).router.routes()
+              if route.method != "HEAD"}
+    paths = build_spec()["paths"]
+    listed = {(method.upper(), path) for path, ops in paths.items() for method in ops}
+    assert served == listed, (served - listed, listed - served)
 
 
 @schema.parametrize()
@@ -85,7 +104,9 @@ json_values = st.recursive(
     max_leaves=12,
 )
 field_names = st.sampled_from(["model", "messages", "prompt", "text", "input_ids", "max_tokens", "stream", "n",
-                               "sampling_params", "rid", "logprobs", "user", "max_completion_tokens", "stop"])
+                               "sampling_params", "rid", "logprobs", "user", "max_completion_tokens", "stop",
+                               "input", "query", "documents", "items", "label_token_ids", "previous_response_id",
+                               "top_logprobs", "dimensions", "background", "max_output_tokens"])
 near_valid = st.fixed_dictionaries(
     {"model": st.just(MODEL) | json_values},
     optional={"messages": st.lists(st.fixed_dictionaries({"role": json_values, "content": json_values}), max_size=3)
@@ -93,6 +114,8 @@ near_valid = st.fixed_dictionaries(
               "prompt": json_values, "text": json_values, "input_ids": json_values,
               "max_tokens": st.integers(min_value=-(2**70), max_value=2**70) | json_values,
               "stream": json_values, "n": st.integers(min_value=-5, max_value=10**6),
+              "input": json_values, "query": json_values, "documents": json_values, "items": json_values,
+              "previous_response_id": json_values, "top_logprobs": json_values,
               "sampling_params": st.dictionaries(field_names | st.text(max_size=8), json_values, max_size=3)},
 ) | st.dictionaries(field_names, json_values, max_size=6)
 bodies = (
@@ -103,7 +126,7 @@ bodies = (
 )
 
 
-@pytest.mark.parametrize("route", GENERATION_ROUTES)
+@pytest.mark.parametrize("route", GENERATION_ROUTES + API_ROUTES)
 def test_random_bodies_never_5xx_and_errors_are_openai_shaped(gateway, route):
     @settings(FUZZ, max_examples=100)
     @given(body=bodies)
