@@ -32,7 +32,6 @@ from gateway.api_body import (CLASSIFY, COUNT_TOKENS, DECISIONS, EMBEDDINGS, ENC
 from gateway.attempts import Failure, failed
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError
-from gateway.peers import ALONE
 from gateway.proxy import Proxy, Unified, kind, upstream_headers
 from gateway.request import request_id_from
 from gateway.responses import ResponseOwners, tap_factory
@@ -92,7 +91,7 @@ class ApiRoutes:
         made: list[ByKind] = []
 
         def target(freed: Callable[[], None]) -> ByKind:
-            made.append(ByKind(st.registry, st.policy, st.session, st.metrics, freed, st.peers or ALONE))
+            made.append(ByKind(st.registry, st.policy, st.session, st.metrics, freed, st.routing_peers))
             return made[-1]
 
         self.proxy = Proxy(st.registry, st.policy, st.session, st.metrics, st.cfg.max_retries, st.cfg.max_hold_secs,
@@ -101,6 +100,8 @@ class ApiRoutes:
         self.proxy.attempts.holds = self.proxy.holds = st.proxy.holds
         self.target = made[0]
         self.target.taps[RESPONSES] = tap_factory(self.owners)
+        if st.peers is not None:  # a group: each process's owners are every process's
+            self.owners.on_remember, st.peers.learn_owner = st.peers.owned, self.owners.learn
 
     # --- the gateway's own answer ----------------------------------------------------------
     async def model(self, request: web.Request) -> web.Response:

@@ -221,6 +221,16 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     r.add_get("/readiness", readiness)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi_json)
-from gateway import __version__, audit
-from gateway.api_routes import add_api_routes
+    r.add_put(GENERATE, generation_handler(GENERATE))  # SGLang takes both; sent upstream as POST
+    add_api_routes(app, state)  # embeddings, rerank, score, classify, Responses, /v1/models/{model}
+    from gateway import admin  # its handlers read STATE from this module
+
+    r.add_get("/workers", admin.list_workers)
+    r.add_post("/workers", admin.add_worker)
+    r.add_delete("/workers", admin.remove_worker)
+    r.add_delete("/workers/{url:.+}", admin.remove_worker)
+    r.add_post("/add_worker", admin.add_worker)  # sglang-router's spelling
+    r.add_post("/remove_worker", admin.remove_worker)
+    r.add_post("/abort_request", admin.abort_request)
+    r.add_post("/flush_cache", admin.flush_cache)
     return app

@@ -7,7 +7,8 @@ per leg (one unified worker, or a prefill and a decode worker), then a ``FirstTo
 record carries it, later legs and retries of the same request id leave it out). ``Alive``
 says every second which requests its origin still has in flight, ``Hello`` asks every
 peer to send its in-flight requests again (a process that joined or reconnected), and
-``Spent`` charges a client's rate-limit bucket everywhere. Seconds are ``time.time()`` at
+``Spent`` charges a client's rate-limit bucket everywhere, ``Owned`` names the worker that
+stores a Responses object. Seconds are ``time.time()`` at
 the origin, for the lag metric only.
 """
 
@@ -78,7 +79,14 @@ class Spent(msgspec.Struct, tag=6, array_like=True):
     client: str  # the rate limiter's client key (an API key is hashed before it gets here)
 
 
-Record = Routed | FirstToken | Completed | Alive | Hello | Spent
+class Owned(msgspec.Struct, tag=7, array_like=True):
+    origin: str
+    sent: float
+    response_id: str  # a stored Responses object, kept by the worker at ``url`` only
+    url: str
+
+
+Record = Routed | FirstToken | Completed | Alive | Hello | Spent | Owned
 encode = msgspec.msgpack.Encoder().encode
 decode_batch = msgspec.msgpack.Decoder(list[Record]).decode
 

@@ -5,13 +5,16 @@ retrieve, cancel, input_items or delete means something only to that worker. The
 learns each response's id from the answer it relays (``OwnerTap``) and routes follow-ups
 there (``gateway.api_routes``).
 
-``ResponseOwners`` is the whole interface to that memory, ``remember`` and ``where``, so a
-store shared between gateway processes can take its place.
+``ResponseOwners`` is the whole interface to that memory, ``remember`` and ``where``. In a
+group of gateway processes and replicas each one's ``remember`` is told to the others
+(``on_remember``; ``gateway.peers`` applies theirs with ``learn``), so a follow-up finds its
+worker through any of them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 
@@ -25,8 +28,16 @@ class ResponseOwners:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = max(1, capacity)
         self._urls: OrderedDict[str, str] = OrderedDict()
+        self.on_remember: Callable[[str, str], None] | None = None  # tells the group's peers
 
     def remember(self, response_id: str, url: str) -> None:
+        """A worker of this process answered with a stored response ``response_id``."""
+        self.learn(response_id, url)
+        if self.on_remember is not None:
+            self.on_remember(response_id, url)
+
+    def learn(self, response_id: str, url: str) -> None:
+        """``url`` holds ``response_id`` (here, or by a peer's word)."""
         self._urls[response_id] = url
         self._urls.move_to_end(response_id)
         while len(self._urls) > self.capacity:

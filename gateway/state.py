@@ -73,6 +73,7 @@ class GatewayState:
         self.session = None  # created on startup, inside the running loop
         self._checks: dict[str, asyncio.Task] = {}  # tokenizer checks in flight, by worker url
         self.peers: Peers | None = None
+        self.routing_peers: Local = ALONE
         self.discovery: Any = None  # gateway.discovery.PodDiscovery with --service-discovery
         self.registry: WorkerRegistry
         self.proxy: Proxy
@@ -107,6 +108,7 @@ class GatewayState:
             self.metrics.watch_peers(self.peers)
             if self.limiter is not None:
                 self.limiter.on_spent, self.peers.charge = self.peers.spent, self.limiter.charge
+        self.routing_peers = peers  # who hears each routed request's life (ALONE: nobody)
         unique = list({id(p): p for p in self.policies.values()}.values())
         self.registry.poll_load = any(p.needs_engine_load for p in unique)
         self.registry.listeners.append(self._on_worker_event)

@@ -169,3 +169,26 @@ def test_a_response_whose_worker_died_is_a_clear_error(start_sim, start_gateway)
         client.responses.retrieve(rid)
     assert err.value.status_code == 410 and err.value.body["code"] == "response_worker_gone"
     assert client.responses.create(model=MODEL, input="fresh start", max_output_tokens=2).output_text
+
+
+def test_a_replica_of_the_group_routes_a_follow_up_to_the_owner(start_sim, start_gateway):
+    """Owners travel on the group's state bus: a response made through one replica is
+    continued and retrieved through another, on the worker that stores it."""
+    from gateway.nats_server import EmbeddedNats
+    from tests.test_gateway_peers import wait_for
+
+    with EmbeddedNats() as nats:
+        sims = [start_sim(*SIM_ARGS, name=f"sim{i}") for i in range(3)]
+        args = ("--policy", "round_robin", "--state-url", nats.url)
+        a, b = (start_gateway(*(s.url for s in sims), args=args) for _ in range(2))
+        alone = start_gateway(*(s.url for s in sims), args=("--policy", "round_robin"))  # the control
+        first = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0, timeout=30).responses.create(
+            model=MODEL, input="Tell me a story", max_output_tokens=8)
+        owner = holders(sims, first.id)
+        got = wait_for(lambda: request_json("GET", f"{b.url}/v1/responses/{first.id}")[0] == 200 or None,
+                       why="b learns the owner")
+        assert got
+        nxt = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0, timeout=30).responses.create(
+            model=MODEL, input="And then?", max_output_tokens=8, previous_response_id=first.id)
+        assert holders(sims, nxt.id) == owner
+        assert request_json("GET", f"{alone.url}/v1/responses/{first.id}")[0] == 404
