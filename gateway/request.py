@@ -242,7 +242,7 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
     return RequestView(
         request_id=request_id,
         route=route,
-        model=body.model,
+        model=body.model or None,  # /generate may name none: "" is none too
         text=text,
         token_ids=token_ids,
         packed_ids=packed,
