@@ -73,11 +73,12 @@ class Peers(Local):
     the policy's own hooks; ``apply`` for what peers send (see the module)."""
 
     def __init__(self, url: str, subject: str, policies: Mapping[str, Policy], workers: Mapping[str, Any],
-                 heartbeat_s: float = 1.0, origin: str | None = None) -> None:
+                 heartbeat_s: float = 1.0, origin: str | None = None, wake_step_s: float = 0.01) -> None:
         self.origin = origin or new_origin()
         self.policies = policies
         self.workers = workers  # url -> gateway.workers.Worker (the registry's table)
         self.heartbeat_s = heartbeat_s
+        self.wake_step_s = wake_step_s  # longer than a record's usual trip (the bus lingers 2 ms)
         self.freed: Callable[[], None] = lambda: None  # wakes held requests (the proxy's)
         self.charge: Callable[[str], None] | None = None  # debits a client's rate-limit bucket
         self.learn_owner: Callable[[str, str], None] | None = None  # a Responses object's worker
@@ -237,14 +238,31 @@ class Peers(Local):
         if worker is not None:
             self.policies[r.role].on_first_token(req.view, worker.view)
         self.applied += 1
-        self.freed()
+        self._wake_after(r.origin)
 
     def _apply_completed(self, r: Completed) -> None:
         if self._leg(r.origin, r.rid, r.role) is None:
             return
         self._end(r.origin, r.rid, r.role, outcome_of(r))
         self.applied += 1
-        self.freed()
+        self._wake_after(r.origin)
+
+    def _wake_after(self, origin: str) -> None:
+        """Held requests here are decided again after a peer's request freed a worker, but not
+        all processes at once: each would see the same free room before the others' bookings
+        reach it, and all would send a request there. The origin (which hears its own event
+        first) goes at once; the others follow a ``wake_step_s`` apart, in a rotating order,
+        each after the bookings of those before it have arrived."""
+        if self.wake_step_s <= 0:
+            self.freed()
+            return
+        ring = sorted([*self.heard, self.origin])
+        at = ring.index(origin) if origin in ring else 0
+        turn = (ring.index(self.origin) - at) % len(ring)
+        if turn == 0:
+            self.freed()
+        else:
+            asyncio.get_running_loop().call_later(turn * self.wake_step_s, self.freed)
 
     def _end(self, origin: str, rid: str, role: str, outcome: Outcome) -> None:
         theirs = self.theirs[origin]

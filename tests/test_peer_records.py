@@ -28,7 +28,7 @@ def group(policy) -> tuple[Peers, dict[str, Worker]]:
     for w in workers.values():
         w.set_healthy(True)
         policy.on_worker_added(w.view)
-    return Peers("nats://127.0.0.1:1", "t", {"unified": policy}, workers, origin="me"), workers
+    return Peers("nats://127.0.0.1:1", "t", {"unified": policy}, workers, origin="me", wake_step_s=0), workers
 
 
 def routed(rid: str, url: str, cached: int | None, **extra) -> Routed:
