@@ -173,7 +173,7 @@ class Unified:
             self.registry.candidates(view.model, exclude=tried.timed_out) if tried.urls else [])
         if not workers:
             raise NoWorkerAvailable
-        choice = await select(self.policy, view, [w.view for w in workers])
+        choice = await select(self.policy, view, self.registry.views(workers))
         if isinstance(choice, Hold):
             return choice
         worker = self.registry.workers.get(choice.worker.url)

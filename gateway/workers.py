@@ -22,7 +22,7 @@ import msgspec
 
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig, WorkerSpec
-from index.views import EngineLoad, WorkerView
+from index.views import EngineLoad, WorkerView, Workers, new_membership
 
 log = logging.getLogger("kvgate.workers")
 _json = msgspec.json.Decoder()
@@ -96,6 +96,7 @@ class WorkerRegistry:
         self.poll_load = False
         self._tasks: list[asyncio.Task] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout_secs)
+        self._memberships: dict[tuple[Worker, ...], int] = {}  # the token of each recent candidate list
 
     # --- membership -------------------------------------------------------------------
     async def add(self, spec: WorkerSpec) -> Worker:
@@ -133,6 +134,20 @@ class WorkerRegistry:
             if w.view.role == role and w.available and w.url not in excluded
             and (model is None or not w.view.models or model in w.view.models)
         ]
+
+    def views(self, workers: list[Worker]) -> Workers:
+        """The current views of ``workers`` (an answer of ``candidates``), as a policy is
+        given them: with the membership token of the last list of the same workers in the
+        same order (``index.views.Workers``), so that a policy's caches know them without
+        comparing urls. A worker's url never changes, so the same ``Worker`` objects are the
+        same urls (a worker removed and added again is another object: another token)."""
+        members = tuple(workers)
+        token = self._memberships.get(members)
+        if token is None:
+            if len(self._memberships) >= 64:  # a few lists recur (roles, models, retries)
+                self._memberships.clear()
+            token = self._memberships[members] = new_membership()
+        return Workers([w.view for w in workers], token)
 
     def models(self) -> set[str]:
         return {m for w in self.workers.values() if w.view.healthy for m in w.view.models}
