@@ -125,12 +125,19 @@ class FleetBacklog:
 
     def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
         """The rows of ``workers``, current as of ``now``."""
-        fleet = self._find(workers)
+        fleets = self._fleets
+        token = workers.membership if type(workers) is Workers else 0
+        fleet: Fleet | None
+        if token and fleets and fleets[0].membership == token:  # the last list's urls (``_find``)
+            fleet = fleets[0]
+            fleet.views = list(workers)  # its current views: rows read their reports there
+        else:
+            fleet = self._find(workers, token)
         if fleet is None or now < fleet.now:  # a new list, or a clock that went back
             if fleet is not None:
                 self._fleets.remove(fleet)
             fleet = self._build(list(workers))  # a copy: the caller may reuse its list
-            fleet.membership = workers.membership if type(workers) is Workers else 0
+            fleet.membership = token
             self._fleets.insert(0, fleet)
             del self._fleets[self.max_fleets:]
         else:
@@ -163,17 +170,17 @@ class FleetBacklog:
                     fleet.busy += 1
         return fleet
 
-    def _find(self, workers: Sequence[WorkerView]) -> Fleet | None:
+    def _find(self, workers: Sequence[WorkerView], token: int) -> Fleet | None:
         """The fleet of ``workers``' urls (moved first: most recently used first), now with
         their views, where rows read the reports; None for a new list.
 
         A fleet is the list of urls. A ``Workers`` list is found by its membership token
-        (``index.views``), in one comparison per fleet; otherwise the same views as last time
-        are found by identity, in C, and failing that (the gateway replaces a worker's view
-        whenever its in-flight count moves) the urls say which fleet it is. The rows stay
-        right whichever views come: bookings come through ``touch``, reports are counted."""
+        (``token``, ``index.views``), in one comparison per fleet; otherwise the same views
+        as last time are found by identity, in C, and failing that (the gateway replaces a
+        worker's view whenever its in-flight count moves) the urls say which fleet it is. The
+        rows stay right whichever views come: bookings come through ``touch``, reports are
+        counted."""
         fleets = self._fleets
-        token = workers.membership if type(workers) is Workers else 0
         if token:
             for fleet in fleets:
                 if fleet.membership == token:
