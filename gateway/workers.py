@@ -96,7 +96,7 @@ class WorkerRegistry:
         self.poll_load = False
         self._tasks: list[asyncio.Task] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout_secs)
-        self._memberships: dict[tuple[Worker, ...], int] = {}  # the token of each recent candidate list
+        self._memberships: list[tuple[list[Worker], int]] = []  # recent candidate lists and their tokens (``views``)
 
     # --- membership -------------------------------------------------------------------
     async def add(self, spec: WorkerSpec) -> Worker:
@@ -141,12 +141,12 @@ class WorkerRegistry:
         same order (``index.views.Workers``), so that a policy's caches know them without
         comparing urls. A worker's url never changes, so the same ``Worker`` objects are the
         same urls (a worker removed and added again is another object: another token)."""
-        members = tuple(workers)
-        token = self._memberships.get(members)
-        if token is None:
-            if len(self._memberships) >= 64:  # a few lists recur (roles, models, retries)
-                self._memberships.clear()
-            token = self._memberships[members] = new_membership()
+        for members, token in self._memberships:  # compared by identity, in C
+            if members == workers:
+                break
+        else:  # a few lists recur (roles, models, retries' exclusions): the last 8 are kept
+            token = new_membership()
+            self._memberships = [(list(workers), token), *self._memberships[:7]]
         return Workers([w.view for w in workers], token)
 
     def models(self) -> set[str]:
