@@ -188,7 +188,7 @@ class Workers(list[WorkerView]):
     def __init__(self, views: Iterable[WorkerView], membership: int) -> None:
         if membership < 1:
             raise ValueError("a membership token comes from new_membership()")
-        super().__init__(views)
+        list.__init__(self, views)
         self.membership = membership
 
 
