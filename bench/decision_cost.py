@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import EngineLoad, Outcome, RequestView, WorkerView  # noqa: E402
+from index.views import Workers, new_membership  # noqa: E402
 from index.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAware  # noqa: E402
 from policies.cost import Cost  # noqa: E402
@@ -77,12 +78,12 @@ def fleet(n: int, page_size: int, conversations: int, rng: random.Random
     its engine last reported (/v1/loads), as the gateway polls it for the policies that ask
     (cost does), so every worker's backlog and KV use is priced."""
     info = {"page_size": page_size, "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
-    workers = [WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
-                          server_info=info,
-                          load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
-                                          used_tokens=rng.randrange(400_000), max_tokens=400_000,
-                                          timestamp=time.monotonic()))
-               for i in range(n)]
+    workers = Workers([WorkerView(f"http://10.0.{i // 250}.{i % 250}:30000", in_flight=rng.randrange(8),
+                                  server_info=info,
+                                  load=EngineLoad(running=rng.randrange(64), waiting=rng.randrange(4),
+                                                  used_tokens=rng.randrange(400_000), max_tokens=400_000,
+                                                  timestamp=time.monotonic()))
+                       for i in range(n)], new_membership())  # as the gateway's registry hands them over
     return workers, {c: rng.sample(range(n), rng.choice((1, 1, 2, 3))) for c in range(conversations)}
 
 
@@ -445,7 +446,9 @@ def main() -> None:
                 at = traffic.randrange(len(fleet))
                 w = fleet[at]
                 booked = policy.ledger.book[w.url]
-                fleet[at] = w.reported(load=EngineLoad(  # replaced, as the gateway's poller does
+                # replaced, as the gateway's poller does (the same worker in its place: the
+                # list keeps its membership token, index.views.Workers)
+                fleet[at] = w.reported(load=EngineLoad(
                     running=booked.decoding, waiting=sum(q.url == w.url for _, q in queued),
                     used_tokens=int(booked.kv), max_tokens=400_000, timestamp=time.monotonic()))
 
@@ -458,17 +461,18 @@ def main() -> None:
         return wall, cpu
 
     # The fleet above, with traffic: what a decision costs in a gateway that is routing.
-    polled = [WorkerView(w.url, in_flight=w.in_flight, server_info=info, load=w.load) for w in workers]
+    polled = Workers([WorkerView(w.url, in_flight=w.in_flight, server_info=info, load=w.load) for w in workers],
+                     new_membership())
     results.append(row("cost select, approx index, 8 requests booked per worker, 3 bookings changed "
                        "and 1 load report replaced between decisions", with_traffic(polled, 8, 2_000, "t", polls=True)))
     # A saturated fleet: every engine's KV pool full and this gateway's requests running on
     # it, so cost prices a KV wait on every worker (Cost.memory_wait over its live requests),
     # their prompts together as large as the pool.
     for live in args.live:
-        full_load = [WorkerView(w.url, in_flight=w.in_flight, server_info=info,
-                                load=EngineLoad(running=live, waiting=0, used_tokens=399_950, max_tokens=400_000,
-                                                timestamp=time.monotonic()))
-                     for w in workers]
+        full_load = Workers([WorkerView(w.url, in_flight=w.in_flight, server_info=info,
+                                        load=EngineLoad(running=live, waiting=0, used_tokens=399_950,
+                                                        max_tokens=400_000, timestamp=time.monotonic()))
+                             for w in workers], new_membership())
         results.append(row(f"cost select, approx index, KV full, {live} requests booked per worker "
                            "(1/8 queued), 3 bookings changed between decisions",
                            with_traffic(full_load, live, 390_000 // live, f"m{live}-")))  # bookings fill the pools

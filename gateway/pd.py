@@ -145,7 +145,7 @@ class Pairs:
         prefills, decodes = pool("prefill"), pool("decode")
         if not prefills or not decodes:
             raise NoWorkerAvailable
-        p_views, d_views = [w.view for w in prefills], [w.view for w in decodes]
+        p_views, d_views = self.registry.views(prefills), self.registry.views(decodes)
         if self.joint:
             chosen: Any = self.prefill_policy.select_pair(view, p_views, d_views)
             if inspect.isawaitable(chosen):

@@ -178,7 +178,7 @@ class Unified:
         workers = self.candidates(view, tried.urls) or (self.candidates(view, tried.timed_out) if tried.urls else [])
         if not workers:
             raise NoWorkerAvailable
-        choice = await select(self.policy, view, [w.view for w in workers])
+        choice = await select(self.policy, view, self.registry.views(workers))
         if isinstance(choice, Hold):
             return choice
         worker = self.registry.workers.get(choice.worker.url)

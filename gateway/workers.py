@@ -23,7 +23,7 @@ import msgspec
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.tls import explain
-from index.views import EngineLoad, WorkerView
+from index.views import EngineLoad, WorkerView, Workers, new_membership
 
 log = logging.getLogger("kvgate.workers")
 _json = msgspec.json.Decoder()
@@ -98,6 +98,7 @@ class WorkerRegistry:
         self.vet: Callable[[str], Awaitable[None]] | None = None  # raises to refuse a runtime add (worker_policy)
         self._tasks: list[asyncio.Task] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=cfg.health_check_timeout_secs)
+        self._memberships: list[tuple[list[Worker], int]] = []  # recent candidate lists and their tokens (``views``)
 
     # --- membership -------------------------------------------------------------------
     async def add(self, spec: WorkerSpec, configured: bool = False) -> Worker:
@@ -141,6 +142,20 @@ class WorkerRegistry:
             if w.view.role == role and w.available and w.url not in excluded
             and (model is None or not w.view.models or model in w.view.models)
         ]
+
+    def views(self, workers: list[Worker]) -> Workers:
+        """The current views of ``workers`` (an answer of ``candidates``), as a policy is
+        given them: with the membership token of the last list of the same workers in the
+        same order (``index.views.Workers``), so that a policy's caches know them without
+        comparing urls. A worker's url never changes, so the same ``Worker`` objects are the
+        same urls (a worker removed and added again is another object: another token)."""
+        for members, token in self._memberships:  # compared by identity, in C
+            if members == workers:
+                break
+        else:  # a few lists recur (roles, models, retries' exclusions): the last 8 are kept
+            token = new_membership()
+            self._memberships = [(list(workers), token), *self._memberships[:7]]
+        return Workers([w.view for w in workers], token)
 
     def models(self) -> set[str]:
         return {m for w in self.workers.values() if w.view.healthy for m in w.view.models}

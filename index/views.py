@@ -8,7 +8,8 @@ tokenizer).
 
 What changes is replaced, never mutated. ``WorkerView`` is frozen: the gateway's registry
 holds each worker's current view and replaces it when its health, models, in-flight count,
-load or server_info change; every decision is given the current views. So a view a policy
+load or server_info change; every decision is given the current views (a ``Workers`` list,
+whose membership token says which urls they are, in which order). So a view a policy
 kept (from a hook, from an earlier decision) is what the worker was then, and a policy that
 keeps figures per worker keys them by ``url``, not by view. The gateway replaces a
 ``RequestView`` where its hold state (``may_hold``, ``held_s``) changes between decisions
@@ -18,8 +19,9 @@ dataclass's ``__init__`` costs four times as much, on every request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import count
 from typing import Any, ClassVar
 
 from wire.hashing import uint32_le
@@ -156,42 +158,89 @@ class Outcome:
     error: str | None = None
 
 
-_last: tuple[list[WorkerView], list[str]] = ([], [])
+_memberships = count(1)
+
+
+def new_membership() -> int:
+    """A membership token no other list of workers in this process was given (``Workers``)."""
+    return next(_memberships)
+
+
+class Workers(list[WorkerView]):
+    """Worker views as the gateway hands them to a policy, with a ``membership`` token that
+    names which urls they are, in which order.
+
+    The contract: two ``Workers`` with the same token name the same urls in the same order;
+    their views may differ (a view replaced for its in-flight count or a report is the same
+    worker). Tokens come from ``new_membership`` and are never reused, so whoever builds
+    these lists gives a list of other urls, or of the same in another order, another token
+    (a new token for the same urls is allowed: it only costs a comparison of the urls), and
+    changes a list in place only by replacing a view with one of the same worker. A cache
+    that follows a worker list by its urls (``SameUrls``, ``urls_of``,
+    ``policies.fleet_backlog``) then recognises one in a single comparison of tokens: the
+    gateway replaces a view whenever its in-flight count moves, so between two decisions
+    some view usually was, and the views no longer compare equal by identity. A plain
+    list (plugins, tests) is compared by its views and urls, as before. A list derived from
+    one (a slice, ``list()``, a copy) is a plain list, without the token."""
+
+    __slots__ = ("membership",)
+
+    def __init__(self, views: Iterable[WorkerView], membership: int) -> None:
+        if membership < 1:
+            raise ValueError("a membership token comes from new_membership()")
+        list.__init__(self, views)
+        self.membership = membership
+
+
+_last: tuple[list[WorkerView], list[str], int] = ([], [], 0)  # views, their urls, and their token (0: none)
 
 
 def urls_of(workers: Sequence[WorkerView]) -> list[str]:
     """The urls of ``workers``, in order (the caller must not change the list). A decision
     asks for them at several caches (the index, the feed, the backlog rows) with the same
-    views, so the last answer is kept: finding it again is a comparison of the views by
-    identity, in C."""
+    views, so the last answer is kept: finding it again is a comparison of membership
+    tokens (``Workers``), or of the views by identity, in C."""
     global _last
-    views, urls = _last
-    if workers == views:
+    views, urls, membership = _last
+    token = workers.membership if type(workers) is Workers else 0
+    if token and token == membership:
         return urls
-    views = workers if type(workers) is list else list(workers)
-    _last = (list(views), [w.url for w in views])
+    if workers == views:
+        if token:
+            _last = (views, urls, token)
+        return urls
+    views = list(workers)
+    _last = (views, [w.url for w in views], token)
     return _last[1]
 
 
 class SameUrls:
     """Whether a worker list names the same urls, in the same order, as the last one a cache
-    was built for. The same view objects come back while no in-flight count moved (compared
-    by identity, in C, as a benchmark's fixed views always do); the gateway replaces a view
-    whenever its in-flight count moves, and then the urls are compared (~1.5 us at 64)."""
+    was built for. A ``Workers`` list with the token of the last is known at once; the same
+    view objects come back while no in-flight count moved (compared by identity, in C, as a
+    benchmark's fixed views always do); otherwise (the gateway replaces a view whenever its
+    in-flight count moves) the urls are compared (~1.5 us at 64)."""
 
-    __slots__ = ("views", "urls")
+    __slots__ = ("views", "urls", "membership")
 
     def __init__(self) -> None:
         self.views: list[WorkerView] = []
         self.urls: list[str] = []
+        self.membership = 0  # the token of a ``Workers`` naming ``urls``; 0: none known
 
     def changed(self, workers: Sequence[WorkerView]) -> bool:
         """True when ``workers`` name other urls than last time (then they are remembered)."""
-        views = workers if type(workers) is list else list(workers)
+        token = workers.membership if type(workers) is Workers else 0
+        if token and token == self.membership:
+            return False
+        views = workers if token or type(workers) is list else list(workers)
         if views == self.views:
+            if token:
+                self.membership = token
             return False
         self.views = list(views)
-        urls = urls_of(views)
+        urls = urls_of(workers)
+        self.membership = token
         if urls == self.urls:
             return False
         self.urls = urls

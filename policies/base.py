@@ -22,7 +22,9 @@ went (the same ``on_first_token`` and ``on_complete``; their request ids end in
 with a hit) records it again there, so every process decides on the whole group's traffic.
 
 Views are snapshots, never changed once given (``index.views``): a worker's view is
-replaced when its state moves, and each call gets the current ones.
+replaced when its state moves, and each call gets the current ones, from the gateway in a
+``Workers`` list (a list whose ``membership`` token names its urls in order; tests and
+tools may pass any sequence).
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from index.views import EngineLoad, Outcome, RequestView, WorkerView
+from index.views import EngineLoad, Outcome, RequestView, WorkerView, Workers
 from wire.options import NoOptions, OptionError, opt, parse_options
 
 __all__ = ["Choice", "EngineLoad", "Hold", "NoOptions", "NoWorkerAvailable", "OptionError", "Outcome", "Policy",
-           "RequestView", "WorkerView", "opt", "require_workers", "select_each", "selects_pairs"]
+           "RequestView", "WorkerView", "Workers", "opt", "require_workers", "select_each", "selects_pairs"]
 
 
 @dataclass(slots=True)

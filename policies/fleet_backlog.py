@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from itertools import compress, count
 from operator import attrgetter, is_not
 
-from index.views import urls_of
+from index.views import Workers, urls_of
 from policies.base import EngineLoad, WorkerView
 
 _load = attrgetter("load")
@@ -93,6 +93,7 @@ class Fleet:
     dirty: set[str] = field(default_factory=set)  # urls whose bookings changed
     now: float = float("-inf")  # the last decision's clock
     reports: int = -1  # ``WorkerView.reports`` when the rows last read the reports; -1: read them every time
+    membership: int = 0  # the token of the last ``Workers`` naming these urls (``index.views``); 0: none
 
     def tight(self, need: float) -> list[tuple[float, int]]:
         """Positions with less KV room than ``need`` (and a few just above, for rounding)."""
@@ -124,25 +125,19 @@ class FleetBacklog:
 
     def fleet(self, workers: Sequence[WorkerView], now: float) -> Fleet:
         """The rows of ``workers``, current as of ``now``."""
-        # A fleet is the list of urls. The same views as last time are found by identity, in
-        # C; the gateway replaces a worker's view whenever its in-flight count moves, and then
-        # the urls say which fleet it is (the rows stay right: bookings come through
-        # ``touch``, reports are counted).
-        views = workers if type(workers) is list else list(workers)
         fleets = self._fleets
-        if fleets and fleets[0].views == views:
-            fleet: Fleet | None = fleets[0]
+        token = workers.membership if type(workers) is Workers else 0
+        fleet: Fleet | None
+        if token and fleets and fleets[0].membership == token:  # the last list's urls (``_find``)
+            fleet = fleets[0]
+            fleet.views = list(workers)  # its current views: rows read their reports there
         else:
-            urls = urls_of(views)
-            fleet = next((f for f in fleets if f.urls == urls), None)
-            if fleet is not None:  # most recently used first
-                fleets.remove(fleet)
-                fleets.insert(0, fleet)
-                fleet.views = list(views)  # the current views: rows read their reports there
+            fleet = self._find(workers, token)
         if fleet is None or now < fleet.now:  # a new list, or a clock that went back
             if fleet is not None:
                 self._fleets.remove(fleet)
             fleet = self._build(list(workers))  # a copy: the caller may reuse its list
+            fleet.membership = token
             self._fleets.insert(0, fleet)
             del self._fleets[self.max_fleets:]
         else:
@@ -174,6 +169,39 @@ class FleetBacklog:
                 if fleet.wait[i] > 0.0:
                     fleet.busy += 1
         return fleet
+
+    def _find(self, workers: Sequence[WorkerView], token: int) -> Fleet | None:
+        """The fleet of ``workers``' urls (moved first: most recently used first), now with
+        their views, where rows read the reports; None for a new list.
+
+        A fleet is the list of urls. A ``Workers`` list is found by its membership token
+        (``token``, ``index.views``), in one comparison per fleet; otherwise the same views
+        as last time are found by identity, in C, and failing that (the gateway replaces a
+        worker's view whenever its in-flight count moves) the urls say which fleet it is. The
+        rows stay right whichever views come: bookings come through ``touch``, reports are
+        counted."""
+        fleets = self._fleets
+        if token:
+            for fleet in fleets:
+                if fleet.membership == token:
+                    if fleet is not fleets[0]:
+                        fleets.remove(fleet)
+                        fleets.insert(0, fleet)
+                    fleet.views = list(workers)  # a copy: the caller may reuse its list
+                    return fleet
+        views = workers if token or type(workers) is list else list(workers)
+        if fleets and fleets[0].views == views:
+            found: Fleet | None = fleets[0]
+        else:
+            urls = urls_of(workers)
+            found = next((f for f in fleets if f.urls == urls), None)
+            if found is not None:
+                fleets.remove(found)
+                fleets.insert(0, found)
+                found.views = list(views)
+        if found is not None and token:
+            found.membership = token
+        return found
 
     def _build(self, views: list[WorkerView]) -> Fleet:
         n = len(views)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from policies.base import EngineLoad, Hold, Outcome, RequestView, WorkerView
 from index.block_index import BlockIndex
+from index.views import Workers, new_membership
 from policies.cost import Cost
 from policies.loader import load_policy
 from index.prefix import IndexMatch, Tiers
@@ -680,6 +681,7 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
     live: list[tuple[RequestView, WorkerView]] = []
     standing = list(fleet)
     current = {v.url: v for v in fleet}
+    tokens: dict[tuple[str, ...], int] = {}  # a token per url order, as the registry's
 
     def replaced(old, **report) -> None:
         """A new report, as the gateway's registry gives one: the view replaced (and counted
@@ -732,6 +734,9 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                 standing = chosen
                 if data.draw(st.integers(0, 9), label="a worker listed twice") == 0:
                     chosen.append(chosen[0])
+                offered = chosen
+                if data.draw(st.booleans(), label="as the gateway's registry hands them (a membership token)"):
+                    offered = Workers(chosen, tokens.setdefault(tuple(v.url for v in chosen), new_membership()))
                 probe = RequestView(f"p{step}", "/generate", text="x" * data.draw(size, label="probe"),
                                     max_tokens=data.draw(st.integers(1, 500)))
                 held = {v.url: Tiers(*data.draw(st.tuples(size, size, size))) for v in chosen
@@ -740,7 +745,7 @@ def test_backlog_rows_kept_across_decisions_price_as_recomputing_them(data):
                     held["http://127.0.0.1:9"] = Tiers(5)
                 match = IndexMatch(data.draw(st.integers(1, 4000)), "chars", held)
                 want = _backlogs_by_definition(policy, probe, chosen, match, clock.now, avg_at)
-                b = policy.backlogs(probe, chosen, match)
+                b = policy.backlogs(probe, offered, match)
                 assert (b.bases, b.hits, b.busy) == want
                 for kept in policy.pricer.rows._fleets:  # what ``Fleet.tight`` bisects stays sorted and in step
                     assert kept.headroom == sorted(kept.headroom) and kept.room == [r for r, _ in kept.headroom]
