@@ -168,6 +168,18 @@ def serve(argv: list[str], path: str, name: str, timeout: float = 60.0, ok: tupl
     return launch(start, lambda proc: proc.wait_http(proc.url + path, timeout=timeout, ok=ok))
 
 
+def wait_until(check: Callable[[], object], why: str = "", timeout: float = 15.0, proc: "Proc | None" = None) -> object:
+    """Poll ``check`` every 50 ms until it returns something true, and return that; after
+    ``timeout`` seconds fail with ``why`` (and the end of ``proc``'s output, when given)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {why}" + (f"\n{proc.output()[-4000:]}" if proc is not None else ""))
+
+
 def request_json(method: str, url: str, body: object | None = None, headers: dict[str, str] | None = None,
                  timeout: float = 30.0) -> tuple[int, object]:
     """One HTTP call; returns (status, decoded JSON or raw text)."""

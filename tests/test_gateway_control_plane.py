@@ -15,12 +15,12 @@ import http.server
 import re
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tests.conftest import MODEL
 from tests.support import Proc, free_port, get_text, launch, metric_value, request_json
+from tests.support import wait_until as wait_for
 from tests.test_gateway_security import call
 
 REFUSED_HOST = "127.0.0.3"
@@ -73,14 +73,6 @@ def audit_lines(gw: Proc, action: str) -> list[str]:
     return [ln for ln in gateway_log(gw).splitlines() if " kvgate.audit: " in ln and f"action={action} " in ln]
 
 
-def wait_for(check, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def listed(gw_url: str, key: str | None = None) -> dict[str, dict]:

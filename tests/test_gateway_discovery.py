@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,7 @@ import pytest
 from tests.conftest import MODEL
 from tests.kube_api import NAMESPACE, POD_JSON, KubeAPI, make_pod, set_ready
 from tests.requires import need
-from tests.support import Proc, free_port, get_text, metric_value, request_json
+from tests.support import Proc, free_port, get_text, metric_value, request_json, wait_until
 
 need("kubernetes_asyncio", "pip install -e '.[k8s]'")
 
@@ -196,14 +195,10 @@ def _metric(gw: Any, name: str, **labels: str) -> float:
     return metric_value(get_text(gw.url + "/metrics"), name, **labels)
 
 
+
+
 def _wait(gw: Any, check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout}s\n{gw.output()[-4000:]}")
+    return wait_until(check, what, timeout, gw)
 
 
 def _wait_workers(gw: Any, expected: set[str], what: str) -> None:

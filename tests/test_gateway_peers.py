@@ -10,27 +10,18 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
-from collections.abc import Callable
 
 import pytest
 
 from gateway.nats_server import EmbeddedNats
 from tests.conftest import MODEL
 from tests.support import get_text, metric_value, request_json
+from tests.support import wait_until as wait_for
 
 HEARTBEAT = "0.3"
 
 
-def wait_for(what: Callable[[], object], timeout: float = 15.0, why: str = "") -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {why}")
 
 
 def state(gw, name: str, **labels: str) -> float:
