@@ -111,9 +111,12 @@ def generation_handler(route: str):
         state: GatewayState = request.app[STATE]
         raw = await _read_body(request, state.cfg.max_payload_size)
         body, packed = read_body(raw, route, state.recent_ids)
-        if body.model and state.cfg.strict_models and route != GENERATE and not state.registry.knows_model(body.model):
-            raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
-                               code="model_not_found", param="model")
+        if body.model and not state.registry.knows_model(body.model):
+            if route == GENERATE:  # SGLang's native route ignores the name: so does the choice of worker
+                body.model = None
+            elif state.cfg.strict_models:
+                raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
+                                   code="model_not_found", param="model")
         started = time.perf_counter()
         async with state.admission.slot():  # before tokenizing: a refused request costs no encode
             view = await build_view(body, route, request.headers, request_id_from(request.headers), state.encoder,
