@@ -40,6 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from index.prefix import IndexMatch, Tiers
 from index.tree_budget import DEFAULT_UNITS_PER_TOKEN, worker_capacity
@@ -71,11 +72,13 @@ def make_affinity(options: AffinityOptions) -> AffinityTable | None:
     return AffinityTable(options.affinity_entries, options.affinity_ttl_s)
 
 
-def ends(units: int) -> list[int]:
+@lru_cache(maxsize=4096)
+def ends(units: int) -> tuple[int, ...]:
     """Where a prompt of ``units`` is sampled: chunk ends at (2^n - 1)/2^n of it, then at its
-    end, ascending, none shorter than a chunk (a short prompt: its end alone)."""
+    end, ascending, none shorter than a chunk (a short prompt: its end alone). Kept per
+    length: a key's turn is sampled where it was recorded, and conversations repeat lengths."""
     out = sorted({units - (units >> n) for n in range(1, SAMPLES + 1)} | {units})
-    return [e for e in out if e >= CHUNK] or [units]
+    return tuple(e for e in out if e >= CHUNK) or (units,)
 
 
 def _sample(prompt: Sequence[int] | str, end: int) -> int:
@@ -217,10 +220,11 @@ class AffinityTable:
         if self.ttl_s > 0 and _clock() - turn.when > self.ttl_s:
             del self._turns[key]  # type: ignore[arg-type]
             return match
-        urls = urls_of(workers)
-        if turn.url not in urls:
+        try:
+            at = urls_of(workers).index(turn.url)
+        except ValueError:  # its worker is not a candidate
             return match
-        held = self.held(request, workers[urls.index(turn.url)], turn)
+        held = self.held(request, workers[at], turn)
         if held <= 0.0:
             return match
         prompt, tokens = _prompt(request)

@@ -57,8 +57,8 @@ TURN2 = TURN1 + words(50, 2) + words(400, 3)  # the answer (50 tokens), then the
 
 # -- the table ------------------------------------------------------------------------
 def test_samples_end_at_halves_of_what_is_left_then_at_the_end():
-    assert ends(6400) == [3200, 4800, 5600, 6000, 6200, 6300, 6400]
-    assert ends(10) == [10] and ends(20) == [18, 19, 20]
+    assert ends(6400) == (3200, 4800, 5600, 6000, 6200, 6300, 6400)
+    assert ends(10) == (10,) and ends(20) == (18, 19, 20)
 
 
 def test_a_continuation_is_credited_its_whole_history_and_the_answer():
