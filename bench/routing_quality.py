@@ -234,6 +234,8 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "prefill_tokens_per_s": p.get("prefill_tokens_per_s"), "prefill_samples": p.get("prefill_samples"),
         "lost_diverted": run["hit_loss"].get("diverted"), "lost_evicted": run["hit_loss"].get("evicted"),
         "requests_diverted": run["hit_loss"].get("requests_diverted"),
+        "affinity_credited": p.get("affinity_credited_total"), "affinity_kept": p.get("affinity_kept_total"),
+        "affinity_moved": p.get("affinity_moved_total"),
         "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()
                       if k.startswith("decisions_")},
     }

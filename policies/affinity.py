@@ -30,6 +30,12 @@ where it has them, else characters):
   nothing at ``K``. Where no capacity is known (no ``max_total_num_tokens`` in the
   worker's server_info or load report), it falls with age over ``ttl_s`` instead.
 
+A precise index fed by the engines' KV events hears of their evictions: its answer stands
+unless it has itself let go of pages since the key's last turn (its block budget, a
+cleared worker; ``forgetting``), since the estimate above would only second-guess the
+engines' own word. The approximate tree, and the precise index's text fallback, hear of
+none, and are credited whenever they know less.
+
 A key is forgotten ``ttl_s`` after its last turn, the least recently used past
 ``max_entries``, and with its worker. Requests without a key cost one attribute read.
 """
@@ -42,7 +48,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from index.prefix import IndexMatch, Tiers
+from index.block_index import BlockIndex
+from index.fallback import PreciseOrApprox
+from index.prefix import IndexMatch, PrefixIndex, Tiers
 from index.tree_budget import DEFAULT_UNITS_PER_TOKEN, worker_capacity
 from index.views import Outcome, RequestView, WorkerView, urls_of
 from wire.options import on_off, opt
@@ -72,6 +80,18 @@ def make_affinity(options: AffinityOptions) -> AffinityTable | None:
     return AffinityTable(options.affinity_entries, options.affinity_ttl_s)
 
 
+def forgetting(index: PrefixIndex, request: RequestView | None = None) -> int | None:
+    """How often ``index`` has let go of pages the engines may still hold (``BlockIndex.forgotten``),
+    where its answer for ``request`` is the engines' own word; None where that answer is a
+    guess (the approximate tree, the text fallback). Without a request: the precise count,
+    the mark a routed turn keeps."""
+    if isinstance(index, PreciseOrApprox):
+        return index.forgotten_for(request)
+    if isinstance(index, BlockIndex) and (request is None or index.usable(request)):
+        return index.forgotten
+    return None
+
+
 @lru_cache(maxsize=4096)
 def ends(units: int) -> tuple[int, ...]:
     """Where a prompt of ``units`` is sampled: chunk ends at (2^n - 1)/2^n of it, then at its
@@ -89,16 +109,17 @@ def _sample(prompt: Sequence[int] | str, end: int) -> int:
 class Turn:
     """A key's last request: where it went and what of its prompt is sampled."""
 
-    __slots__ = ("rid", "url", "when", "tokens", "units", "samples", "held", "churn")
+    __slots__ = ("rid", "url", "when", "tokens", "units", "samples", "held", "churn", "forgotten")
 
     def __init__(self, rid: str, url: str, when: float, tokens: bool, units: int, samples: tuple[int, ...],
-                 churn: float) -> None:
+                 churn: float, forgotten: int | None) -> None:
         self.rid, self.url, self.when = rid, url, when
         self.tokens = tokens  # units are token ids, else characters
         self.units = units  # the prompt's length
         self.samples = samples  # hashes of the chunks ending at ``ends(units)``
         self.held = float(units)  # what the worker holds after it: the prompt, then its output too
         self.churn = churn  # the worker's KV churn counter when the turn last touched its KV
+        self.forgotten = forgotten  # the precise index's ``forgotten`` when it was routed (None: none)
 
 
 def _prompt(request: RequestView) -> tuple[Sequence[int] | str | None, bool]:
@@ -133,9 +154,10 @@ class AffinityTable:
         return len(self._turns)
 
     # -- learning ----------------------------------------------------------------------
-    def routed(self, request: RequestView, worker: WorkerView) -> None:
+    def routed(self, request: RequestView, worker: WorkerView, forgotten: int | None = None) -> None:
         """``request`` went to ``worker`` (here or by a peer): its key's last turn is this one.
-        A PD decode leg says nothing of where the prefill's prefix is cached."""
+        ``forgotten``: the policy's precise index's count (``forgetting``). A PD decode leg
+        says nothing of where the prefill's prefix is cached."""
         key = _key(request)
         if key is None or worker.role == "decode":
             return
@@ -153,7 +175,7 @@ class AffinityTable:
         units = len(prompt)
         samples = tuple(_sample(prompt, e) for e in ends(units))
         self._turns[key] = Turn(request.request_id, url, _clock(), tokens, units, samples,
-                                self._churn.get(url, 0.0))
+                                self._churn.get(url, 0.0), forgotten)
         self._turns.move_to_end(key)
         while len(self._turns) > self.max_entries:
             self._turns.popitem(last=False)
@@ -209,13 +231,17 @@ class AffinityTable:
             left = 1.0 - (_clock() - turn.when) / self.ttl_s if self.ttl_s > 0 else 1.0
         return min(held, float(units)) * min(max(left, 0.0), 1.0)
 
-    def credit(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch) -> IndexMatch:
+    def credit(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch,
+               forgotten: int | None = None) -> IndexMatch:
         """``match``, or a copy where the key's last worker is credited with what it probably
         holds, when that is more than the index credits any worker with (``match`` itself is
-        never changed)."""
+        never changed). ``forgotten``: ``forgetting`` for this match; while it is what it was
+        when the key's last turn was routed, the engines' word stands."""
         key = _key(request)
         turn = self._turns.get(key) if key is not None else None
         if turn is None or turn.rid == request.request_id:  # none, or this request's own (a retry)
+            return match
+        if forgotten is not None and forgotten == turn.forgotten:
             return match
         if self.ttl_s > 0 and _clock() - turn.when > self.ttl_s:
             del self._turns[key]  # type: ignore[arg-type]

@@ -38,7 +38,7 @@ from index.build import RadixOptions, make_radix
 from index.tree_budget import TreeBudget
 from index.prefix import IndexMatch, PrefixIndex
 from index.views import SameUrls
-from policies.affinity import AffinityOptions, make_affinity
+from policies.affinity import AffinityOptions, forgetting, make_affinity
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.hit_verification import VerifierOptions, make_verifier
 
@@ -147,7 +147,7 @@ class CacheAware(Policy):
             self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
         if request.session_key and self.affinity is not None:
-            match = self.affinity.credit(request, workers, match)
+            match = self.affinity.credit(request, workers, match, forgetting(self.index, request))
         chosen, reason = self.decide(request, workers, match)
         self.decisions[reason] += 1
         self.index.record(request, chosen)
@@ -159,7 +159,7 @@ class CacheAware(Policy):
     # -- hooks --------------------------------------------------------------------------
     def on_routed(self, request: RequestView, worker: WorkerView) -> None:
         if self.affinity is not None:
-            self.affinity.routed(request, worker)
+            self.affinity.routed(request, worker, forgetting(self.index))
 
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
         self.index.record(request, worker)

@@ -26,7 +26,7 @@ from index.build import PreciseOptions, RadixOptions, make_radix, precise_index
 from index.kv_feed import KvEventFeed
 from index.prefix import IndexMatch
 from index.tree_budget import TreeBudget
-from policies.affinity import AffinityOptions, make_affinity
+from policies.affinity import AffinityOptions, forgetting, make_affinity
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.cost_ledger import Ledger
 from policies.cost_pricer import Backlogs, Cost3, Pricer
@@ -122,7 +122,7 @@ class Cost(Policy):
         if self.verifier.degraded:
             return _NO_MATCH
         if request.session_key and self.affinity is not None:
-            return self.affinity.credit(request, workers, match)
+            return self.affinity.credit(request, workers, match, forgetting(self.index, request))
         return match
 
     def backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch | None = None,
@@ -211,7 +211,7 @@ class Cost(Policy):
         self.ledger.routed(request, worker, self.pricer.prefill(float(request.prompt_tokens_estimate), 0.0),
                            keeps_output=not prefill, times_prefill=self.learn_prefill and worker.role == "unified")
         if self.affinity is not None:
-            self.affinity.routed(request, worker)
+            self.affinity.routed(request, worker, forgetting(self.index))
 
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
         """A peer's choice, recorded as ``commit`` records one, and booked."""

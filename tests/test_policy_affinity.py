@@ -10,7 +10,8 @@ import pytest
 
 import policies.affinity as affinity
 from index.prefix import IndexMatch, Tiers
-from policies.affinity import AffinityTable, ends
+from index.block_index import BlockIndex
+from policies.affinity import AffinityTable, ends, forgetting
 from policies.base import Outcome, RequestView, WorkerView
 from policies.cache_aware import CacheAware
 from policies.cost import Cost
@@ -258,3 +259,21 @@ def test_peers_routing_fills_the_table():
         policy.on_peer_routed(req("t1@p", TURN1), ws[3], 0)
         policy.on_complete(req("t1@p", TURN1), ws[3], Outcome(True, prompt_tokens=len(TURN1), completion_tokens=5))
         assert policy.select(req("t2", TURN2), ws).worker.url == URLS[3]
+
+
+def test_a_precise_index_that_forgot_nothing_since_the_turn_has_the_last_word():
+    """Fed by KV events, the index hears of the engines' evictions: no pages of the last turn
+    on its worker means none there, until the index itself lets go of pages (a budget, a
+    cleared worker), when it may no longer know."""
+    index = BlockIndex(default_page_size=16)
+    ws = fleet()
+    policy = Cost(index=index)
+    turn1, turn2 = ids_req("t1", list(range(3000))), ids_req("t2", list(range(3400)))
+    served(policy, turn1, ws[2])
+    assert forgetting(index, turn2) == index.forgotten == 0
+    assert policy.select(turn2, ws).worker.url == URLS[0]
+    index.clear_worker(URLS[0])  # a gap on a worker's stream: the index may have lost pages
+    assert forgetting(index, turn2) == 1
+    assert policy.select(ids_req("t3", list(range(3400))), ws).worker.url == URLS[2]
+    # text the precise index cannot key: a guess, credited whatever the count
+    assert forgetting(index, req("t4", TURN2)) is None
