@@ -10,6 +10,8 @@ Three parts: the ledger (``policies.cost_ledger``: bookings, KV release schedule
 rates), the pricer (``policies.cost_pricer``: backlogs, the one prefill formula, the work
 weight, hit prices) and this policy (``Cost``: the index, its KV-event feed and hit
 verification, the choice, late binding with ``Hold``, and the hooks that keep the ledger).
+A request's session key credits its last worker where the index knows less
+(``policies.affinity``), before anything is priced.
 ``temperature`` > 0 samples with softmax over -score instead of taking the minimum.
 """
 
