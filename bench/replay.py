@@ -110,11 +110,14 @@ def _body(api: str, text: str, max_tokens: int, model: str, index: int) -> tuple
 
 
 async def _one(session: aiohttp.ClientSession, base: str, api: str, row: RequestResult, text: str, max_tokens: int,
-               model: str, timeout: float, worker_header: str) -> None:
+               model: str, timeout: float, worker_header: str, session_key: str | None = None) -> None:
     path, body = _body(api, text, max_tokens, model, row.index)
+    headers = {**_JSON, "X-Request-ID": f"replay-{row.index}"}
+    if session_key is not None:
+        headers["X-Session-ID"] = session_key
     t0 = time.monotonic()
     try:
-        async with session.post(base + path, data=_enc.encode(body), headers={**_JSON, "X-Request-ID": f"replay-{row.index}"},
+        async with session.post(base + path, data=_enc.encode(body), headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             row.status = resp.status
             row.worker = resp.headers.get(worker_header, "")
@@ -233,13 +236,15 @@ async def replay(records: Sequence[TraceRecord], url: str | Sequence[str], *, ap
                  max_tokens_cap: int | None = None, timeout: float = 600.0, time_scale: float | None = None,
                  worker_header: str = "x-kvgate-worker", router: Router | None = None,
                  load_urls: Sequence[str] = (), load_interval: float = 0.5,
-                 on_progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+                 on_progress: Callable[[int, int], None] | None = None,
+                 session_keys: Sequence[str | None] | None = None) -> ReplayResult:
     """Send every record at ``timestamp / speedup``; returns per-request results.
 
     ``url`` is one endpoint (a worker or a gateway) or several workers, in which case
     ``router(i, record, urls)`` picks one per request (default round robin) - handy for
     engine-level baselines without a gateway. ``load_urls`` are polled for per-worker load.
     ``time_scale`` converts wall latencies to simulated ones (None: ask /server_info).
+    ``session_keys``: one per record (None: none), sent as ``X-Session-ID``.
     """
     urls = [url] if isinstance(url, str) else list(url)
     bases = [u.rstrip("/") for u in urls]
@@ -267,7 +272,8 @@ async def replay(records: Sequence[TraceRecord], url: str | Sequence[str], *, ap
             base = bases[0] if len(bases) == 1 else pick(i, rec, bases)
             async with sem:
                 row.sent_s = time.monotonic() - start
-                await _one(session, base, api, row, text, mt, model, timeout, worker_header)
+                await _one(session, base, api, row, text, mt, model, timeout, worker_header,
+                           session_keys[i] if session_keys is not None else None)
             if len(bases) > 1 and not row.worker:
                 row.worker = base
             done += 1

@@ -40,7 +40,7 @@ from simulator.profiles import get_profile
 from . import hit_loss
 from .replay import ReplayResult, replay, summarize
 from .services import Service, http_get, start_kvgate, start_sglang_router
-from .trace import TraceRecord, bounded_oracle_hit_rate, load_trace, oracle_hit_rate
+from .trace import TraceRecord, bounded_oracle_hit_rate, conversation_keys, load_trace, oracle_hit_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
@@ -163,7 +163,8 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
 
             res: ReplayResult = asyncio.run(replay(
                 records, [r.url for r in routers], api="generate", speedup=a.time_scale * a.arrival_speedup,
-                concurrency=4096, time_scale=a.time_scale, timeout=a.request_timeout, on_progress=progress))
+                concurrency=4096, time_scale=a.time_scale, timeout=a.request_timeout, on_progress=progress,
+                session_keys=conversation_keys(records) if a.session_keys else None))
             print(file=sys.stderr)
             workers = [worker_stats(u) for u in cluster.urls]
             pstats = kvgate_policy_stats(router.url) if spec.router == "kvgate" else {}
@@ -233,6 +234,8 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "prefill_tokens_per_s": p.get("prefill_tokens_per_s"), "prefill_samples": p.get("prefill_samples"),
         "lost_diverted": run["hit_loss"].get("diverted"), "lost_evicted": run["hit_loss"].get("evicted"),
         "requests_diverted": run["hit_loss"].get("requests_diverted"),
+        "affinity_credited": p.get("affinity_credited_total"), "affinity_kept": p.get("affinity_kept_total"),
+        "affinity_moved": p.get("affinity_moved_total"),
         "decisions": {k.removeprefix("decisions_").removesuffix("_total"): v for k, v in p.items()
                       if k.startswith("decisions_")},
     }
@@ -261,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", choices=["on", "off", "both"], default="on",
                    help="with several replicas: share routing state on a NATS bus, not, or a run each way")
     p.add_argument("--engine-arg", action="append", default=[], help="extra simulator argument (repeatable)")
+    p.add_argument("--session-keys", action="store_true",
+                   help="send each request's conversation key as X-Session-ID (bench.trace.conversation_keys)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--lag-tolerance-s", type=float, default=0.1, help="simulated seconds of lag that still count as sound")
     p.add_argument("--repeat", type=int, default=1,
@@ -312,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {"trace": str(trace), "requests": len(records), "workers": a.workers, "profile": a.profile,
              "time_scale": a.time_scale, "arrival_speedup": a.arrival_speedup,
              "replay_speedup": a.time_scale * a.arrival_speedup, "capacity_tokens": capacity,
+             "session_keys": a.session_keys,
              "oracle_hit_rate": oracle, "bounded_oracle_hit_rate": bounded,
              "full_trace_oracle_hit_rate": FULL_TRACE_ORACLE, **load}
     print(f"{len(records)} requests over {load['span_s']:.0f} simulated s ({load['req_per_s']:.1f} req/s), "

@@ -72,6 +72,24 @@ def expand(record: TraceRecord, block_size: int = BLOCK) -> str:
     return text[:n]
 
 
+def conversation_keys(records: Sequence[TraceRecord]) -> list[str | None]:
+    """A conversation key per record, derived from its hash ids (a Mooncake trace names no
+    conversation): the first block after the head every record shares (the conversation
+    trace's records all open with one system-prompt block). A new block there is a new
+    conversation; a record that is all shared head has none."""
+    if not records:
+        return []
+    head = list(records[0].hash_ids)
+    for r in records[1:]:
+        n = 0
+        for a, b in zip(head, r.hash_ids):
+            if a != b:
+                break
+            n += 1
+        head = head[:n]
+    return [f"conv-{r.hash_ids[len(head)]}" if len(r.hash_ids) > len(head) else None for r in records]
+
+
 def block_spans(record: TraceRecord, block_size: int) -> Iterable[tuple[int, int]]:
     for i, h in enumerate(record.hash_ids):
         length = min(block_size, record.input_length - i * block_size)

@@ -32,6 +32,7 @@ class ApiBody(msgspec.Struct):
     system: Any = None
     max_output_tokens: Any = None
     user: Any = None
+    prompt_cache_key: Any = None
     cache_salt: Any = None
 
 

@@ -33,7 +33,7 @@ from gateway.attempts import Failure, failed
 from gateway.error_shape import normalized
 from gateway.errors import GatewayError
 from gateway.proxy import Proxy, Unified, kind, upstream_headers
-from gateway.request import request_id_from
+from gateway.request import request_id_from, session_key
 from gateway.responses import ResponseOwners, tap_factory
 from gateway.state import GatewayState
 from gateway.workers import Worker
@@ -143,7 +143,7 @@ class ApiRoutes:
         packed = None
         if ids is None and text is not None and st.encoder is not None:
             ids, packed = await st.encoder.text(text)
-        session = request.headers.get("X-Session-ID") or (body.user if isinstance(body.user, str) else None)
+        session = session_key(request.headers, body.prompt_cache_key, body.user)
         max_tokens = body.max_output_tokens if type(body.max_output_tokens) is int else None
         return RequestView(request_id=request_id_from(request.headers), route=route, model=body.model or None,
                            text=text, token_ids=ids, packed_ids=packed, session_key=session, stream=bool(body.stream),

@@ -47,6 +47,7 @@ class Body(msgspec.Struct):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
     cache_salt: str | None = None
     rid: str | list[str] | None = None
     logprobs: bool | int | None = None
@@ -246,12 +247,21 @@ async def build_view(body: Body, route: str, headers: Any, request_id: str, enco
         text=text,
         token_ids=token_ids,
         packed_ids=packed,
-        session_key=headers.get("X-Session-ID") or body.user,
+        session_key=session_key(headers, body.prompt_cache_key, body.user),
         stream=body.stream,
         max_tokens=max_tokens,
         cache_salt=body.cache_salt,
         headers=headers,
     )
+
+
+def session_key(headers: Any, prompt_cache_key: Any, user: Any) -> str | None:
+    """The client's key for what its requests share (``RequestView.session_key``): the
+    ``X-Session-ID`` header, else OpenAI's ``prompt_cache_key``, else the ``user`` field
+    (which ``prompt_cache_key`` replaces in OpenAI's API). The narrowest the client named
+    comes first: a user may hold several conversations at once."""
+    key = headers.get("X-Session-ID") or prompt_cache_key or user
+    return key if type(key) is str and key else None
 
 
 def request_id_from(headers: Any) -> str:

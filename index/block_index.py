@@ -64,6 +64,13 @@ class BlockIndex:
     max_blocks = property(lambda self: self._budget.max_blocks)
     evicted = property(lambda self: self._budget.evicted)
     dropped = property(lambda self: self._budget.dropped)
+
+    @property
+    def forgotten(self) -> int:
+        """How often the index let go of pages an engine may still hold: its budget evicted
+        or dropped them, or a worker was cleared (a lost gap, a reconnect, AllBlocksCleared).
+        While it stands still, every page the engines reported is known here."""
+        return self._budget.evicted + self._budget.dropped + self.clears
     orphans = property(lambda self: self._places.orphans)
 
     # -- workers ------------------------------------------------------------------------

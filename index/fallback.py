@@ -59,6 +59,13 @@ class PreciseOrApprox:
         self._approx_for = request.request_id
         return self.approx.match(request, workers)
 
+    def forgotten_for(self, request: RequestView | None = None) -> int | None:
+        """The precise index's ``forgotten``; None where the text tree answered ``request``
+        (the last one matched), which hears of no eviction."""
+        if request is not None and self._approx_for == request.request_id:
+            return None
+        return self.precise.forgotten
+
     def record(self, request: RequestView, worker: WorkerView) -> None:
         self.precise.record(request, worker)
         routed_by_text = self._approx_for == request.request_id or not self.precise.usable(request)

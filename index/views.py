@@ -107,6 +107,9 @@ class RequestView:
     # prefix, or a client's id list read with a recent one's: wire.prefix_tokens,
     # wire.prefix_ids), so that an index need not pack them again (``packed``)
     packed_ids: bytes | None = None
+    # The client's key for what its requests share: X-Session-ID, else prompt_cache_key, else
+    # user (gateway.request.session_key); consistent_hash hashes it, the cache-aware
+    # policies follow it to the worker of its last turn (policies.affinity)
     session_key: str | None = None
     stream: bool = False
     max_tokens: int | None = None

@@ -18,7 +18,10 @@ What differs, and why:
   smallest tree regardless of load;
 * one memory budget for the whole index (``max_tree_size``, see ``index.radix``);
 * hit verification (``policies.hit_verification``) turns cache routing off while the
-  engine's reported cache hits contradict the index.
+  engine's reported cache hits contradict the index;
+* a request with a client key (``prompt_cache_key``, ``X-Session-ID``, ``user``) credits
+  the key's last worker with what it probably still holds where the index knows less
+  (``policies.affinity``); the balance thresholds still decide before any prefix.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from index.build import RadixOptions, make_radix
 from index.tree_budget import TreeBudget
 from index.prefix import IndexMatch, PrefixIndex
 from index.views import SameUrls
+from policies.affinity import AffinityOptions, forgetting, make_affinity
 from policies.base import Choice, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.hit_verification import VerifierOptions, make_verifier
 
@@ -54,7 +58,7 @@ LOADS = {"in_flight": in_flight, "engine": engine_queue}
 
 
 @dataclass
-class CacheAwareOptions(RadixOptions, VerifierOptions):
+class CacheAwareOptions(RadixOptions, VerifierOptions, AffinityOptions):
     cache_threshold: float = opt(0.3, "route to the prefix holder when the best match covers more than this share")
     balance_abs_threshold: float = opt(64.0, "imbalanced when max - min load exceeds this ...")
     balance_rel_threshold: float = opt(1.5, "... and max exceeds this times min: then least loaded wins")
@@ -88,6 +92,7 @@ class CacheAware(Policy):
             index, self.budget = self.build_index()
         self.index: PrefixIndex = index
         self.verifier = make_verifier(self.name, o)
+        self.affinity = make_affinity(o)
         self.decisions: Counter[str] = Counter()
         self._timer: asyncio.Task | None = None
         self._positions_of: tuple[SameUrls, dict[str, int]] = (SameUrls(), {})
@@ -141,6 +146,8 @@ class CacheAware(Policy):
         if self.budget is not None:
             self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
+        if request.session_key and self.affinity is not None:
+            match = self.affinity.credit(request, workers, match, forgetting(self.index, request))
         chosen, reason = self.decide(request, workers, match)
         self.decisions[reason] += 1
         self.index.record(request, chosen)
@@ -150,16 +157,25 @@ class CacheAware(Policy):
         return Choice(chosen, predicted, reason)
 
     # -- hooks --------------------------------------------------------------------------
+    def on_routed(self, request: RequestView, worker: WorkerView) -> None:
+        if self.affinity is not None:
+            self.affinity.routed(request, worker, forgetting(self.index))
+
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
         self.index.record(request, worker)
+        self.on_routed(request, worker)
 
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self.verifier.complete(request.request_id, outcome)
+        if self.affinity is not None:
+            self.affinity.completed(request, worker, outcome)
         if self.budget is not None:
             self.budget.learn(request, outcome)
 
     def on_worker_removed(self, worker: WorkerView) -> None:
         self.index.remove_worker(worker.url)
+        if self.affinity is not None:
+            self.affinity.worker_removed(worker.url)
 
     async def _maintain(self) -> None:
         while True:
@@ -185,6 +201,8 @@ class CacheAware(Policy):
         out.update(self.verifier.stats())
         if self.budget is not None:
             out.update(self.budget.stats())
+        if self.affinity is not None:
+            out.update(self.affinity.stats())
         for reason in ("prefix", "miss", "imbalanced", "degraded"):
             out[f"decisions_{reason}_total"] = float(self.decisions[reason])
         return out

@@ -1,4 +1,4 @@
-"""Consistent hashing on a session key (``X-Session-ID`` header or the ``user`` field).
+"""Consistent hashing on a session key (``X-Session-ID`` header, ``prompt_cache_key`` or ``user``).
 
 A session sticks to one worker, where its prefix is warm; adding or removing a worker moves
 only the sessions on that worker's arcs. Requests without a key fall back to least load.

@@ -10,6 +10,8 @@ Three parts: the ledger (``policies.cost_ledger``: bookings, KV release schedule
 rates), the pricer (``policies.cost_pricer``: backlogs, the one prefill formula, the work
 weight, hit prices) and this policy (``Cost``: the index, its KV-event feed and hit
 verification, the choice, late binding with ``Hold``, and the hooks that keep the ledger).
+A request's session key credits its last worker where the index knows less
+(``policies.affinity``), before anything is priced.
 ``temperature`` > 0 samples with softmax over -score instead of taking the minimum.
 """
 
@@ -26,6 +28,7 @@ from index.build import PreciseOptions, RadixOptions, make_radix, precise_index
 from index.kv_feed import KvEventFeed
 from index.prefix import IndexMatch
 from index.tree_budget import TreeBudget
+from policies.affinity import AffinityOptions, forgetting, make_affinity
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.cost_ledger import Ledger
 from policies.cost_pricer import Backlogs, Cost3, Pricer
@@ -44,7 +47,7 @@ def _engine_load(value: Any) -> str:
 
 
 @dataclass
-class CostOptions(RadixOptions, PreciseOptions, VerifierOptions):
+class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions):
     """``cost``'s model (docs/cost-model.md) and the indexes it matches on."""
 
     prefill_tokens_per_s: float = opt(25_000.0, "prefill speed the model starts from (learned, see learn_prefill)")
@@ -96,6 +99,7 @@ class Cost(Policy):
         else:
             self.index = index
         self.verifier = make_verifier(self.name, o)
+        self.affinity = make_affinity(o)
         self.ledger = Ledger(o.prefill_tokens_per_s, o.tpot_s, _clock)
         self.pricer = Pricer(self.ledger, host_tps=o.host_load_tokens_per_s, pool_tps=o.pool_load_tokens_per_s,
                              decode_cost_s=o.decode_cost_s, attention_tokens=o.attention_tokens,
@@ -109,14 +113,19 @@ class Cost(Policy):
 
     # -- the decision -------------------------------------------------------------------
     def match(self, request: RequestView, workers: Sequence[WorkerView]) -> IndexMatch:
-        """What the index knows of these workers right now (nothing while hit verification
-        has degraded routing to load alone)."""
+        """What the index knows of these workers right now, with the request's key's last
+        worker credited where the index knows less (``policies.affinity``); nothing while
+        hit verification has degraded routing to load alone."""
         if self.feed is not None:
             self.feed.follow(workers)
         if self.budget is not None:
             self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
-        return _NO_MATCH if self.verifier.degraded else match
+        if self.verifier.degraded:
+            return _NO_MATCH
+        if request.session_key and self.affinity is not None:
+            return self.affinity.credit(request, workers, match, forgetting(self.index, request))
+        return match
 
     def backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch | None = None,
                  exact: bool = True) -> Backlogs:
@@ -203,6 +212,8 @@ class Cost(Policy):
         prefill = worker.role == "prefill"
         self.ledger.routed(request, worker, self.pricer.prefill(float(request.prompt_tokens_estimate), 0.0),
                            keeps_output=not prefill, times_prefill=self.learn_prefill and worker.role == "unified")
+        if self.affinity is not None:
+            self.affinity.routed(request, worker, forgetting(self.index))
 
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
         """A peer's choice, recorded as ``commit`` records one, and booked."""
@@ -219,6 +230,8 @@ class Cost(Policy):
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None:
         self.ledger.completed(request.request_id, outcome)
         self.verifier.complete(request.request_id, outcome)
+        if self.affinity is not None:
+            self.affinity.completed(request, worker, outcome)
         if self.budget is not None:
             self.budget.learn(request, outcome)
 
@@ -231,6 +244,8 @@ class Cost(Policy):
             self.feed.remove(worker.url)
         self.index.remove_worker(worker.url)
         self.ledger.worker_removed(worker.url)
+        if self.affinity is not None:
+            self.affinity.worker_removed(worker.url)
 
     async def start(self) -> None:
         if self.feed is not None:
@@ -253,4 +268,6 @@ class Cost(Policy):
         out["diverted_tokens"] = self.diverted_tokens
         if self.feed is not None:
             out.update(self.feed.stats())
+        if self.affinity is not None:
+            out.update(self.affinity.stats())
         return out

@@ -11,7 +11,7 @@ from bench.burst_trace import bursts
 from bench.hit_loss import served, split
 from bench.replay import main as replay_main
 from bench.replay import replay
-from bench.trace import TraceRecord, bounded_oracle_hit_rate, expand, load_trace, oracle_hit_rate
+from bench.trace import TraceRecord, bounded_oracle_hit_rate, conversation_keys, expand, load_trace, oracle_hit_rate
 from simulator.cluster import SimCluster
 from tests.sim_support import sim_worker
 
@@ -38,6 +38,39 @@ def test_oracle_hit_rates():
     inf = oracle_hit_rate(real)
     assert 0 < bounded_oracle_hit_rate(real, 200_000) <= inf < 1
 
+
+
+def test_conversation_keys_follow_the_first_block_after_the_shared_head():
+    recs = [TraceRecord(0, 1500, 1, [0, 1, 2]), TraceRecord(1, 1500, 1, [0, 3, 4]),
+            TraceRecord(2, 2000, 1, [0, 1, 2, 5]), TraceRecord(3, 400, 1, [0])]
+    assert conversation_keys(recs) == ["conv-1", "conv-3", "conv-1", None]
+    assert conversation_keys(recs[:1]) == [None] and conversation_keys([]) == []
+
+
+def test_replay_sends_session_keys_as_a_header():
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    seen: list[str | None] = []
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("X-Session-ID"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text": "x", "meta_info": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        async with TestServer(app) as server:
+            recs = [TraceRecord(0, 10, 1, [0, 1]), TraceRecord(0, 10, 1, [0, 2])]
+            result = await replay(recs, str(server.make_url("")), time_scale=1.0, session_keys=["a", None])
+            assert result.summary()["ok"] == 2
+
+    asyncio.run(run())
+    assert len(seen) == 2 and set(seen) == {"a", None}
 
 
 def test_burst_trace_shares_one_system_prompt_per_burst():

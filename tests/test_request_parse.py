@@ -60,3 +60,26 @@ def test_a_long_id_list_is_typed_not_checked_in_python():
     assert single and body.input_ids == ids
     body, single = request._decode(json.dumps({"input_ids": [ids, ids]}).encode())
     assert not single and body.input_ids == [ids, ids]
+
+
+@pytest.mark.parametrize("headers, fields, key", [
+    ({}, {}, None),
+    ({}, {"user": "u"}, "u"),
+    ({}, {"user": "u", "prompt_cache_key": "conv"}, "conv"),
+    ({"X-Session-ID": "s"}, {"user": "u", "prompt_cache_key": "conv"}, "s"),
+    ({"X-Session-ID": ""}, {"prompt_cache_key": ""}, None),
+])
+def test_the_session_key_is_the_narrowest_the_client_named(headers, fields, key):
+    import asyncio
+
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+    body = parse_body(raw, CHAT)
+    view = asyncio.run(request.build_view(body, CHAT, headers, "r", None))
+    assert view.session_key == key
+
+
+def test_a_prompt_cache_key_that_is_no_string_is_refused():
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": 5}).encode()
+    with pytest.raises(GatewayError) as err:
+        parse_body(raw, CHAT)
+    assert err.value.status == 400

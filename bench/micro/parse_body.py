@@ -53,6 +53,9 @@ def cases(rng: random.Random) -> list[tuple[str, str, bytes]]:
          json.dumps({"input_ids": [ids(650) for _ in range(4)], "sampling_params": {"max_new_tokens": 64}}).encode()),
         ("/v1/chat/completions, 8 messages, ~16 KB", CHAT,
          json.dumps({"model": "m", "messages": turns, "max_tokens": 64, "stream": True}).encode()),
+        ("/v1/chat/completions, the same with prompt_cache_key and user", CHAT,
+         json.dumps({"model": "m", "messages": turns, "max_tokens": 64, "stream": True,
+                     "prompt_cache_key": "conversation-0123456789", "user": "user-42"}).encode()),
     ]
 
 
