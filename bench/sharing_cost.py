@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from bench.overhead import ROUTE, _start, _wait_post, group_cpu_seconds, machine, run_load
+from bench.overhead import _start, _wait_post, group_cpu_seconds, machine, run_load
 from gateway.nats_server import EmbeddedNats
 from tests.support import Proc, free_port, get_text, metric_value
 
