@@ -132,16 +132,27 @@ class FairQueue:
         return self._best_rank(ticket.rank + 1) is not None
 
     def victim(self, ticket: Share) -> Waiter | None:
-        """The waiter a newcomer with ``ticket`` may push out of a full queue, taken out:
-        the newest of the least urgent class below the newcomer's, from the tenant that
-        has been served most there; None when nobody queued is less urgent."""
+        """The waiter a newcomer with ``ticket`` may push out of a full queue, taken out, or
+        None. Someone of a less urgent class first: the newest of the least urgent class,
+        from the tenant served most there. Else, within the newcomer's class, the newest of
+        the tenant with the longest line, where that line is longer than the newcomer's
+        tenant's would be: a full queue drops from the tenant that filled it, not the
+        newcomer of a light one."""
         for rank in range(len(self._lanes) - 1, ticket.rank, -1):
             lanes = [(self.counter(rank, t), t) for t, lane in self._lanes[rank].items() if lane]
             if lanes:
-                waiter = self._lanes[rank][max(lanes)[1]].pop()
-                self.size -= 1
-                return waiter
+                return self._take_newest(rank, max(lanes)[1])
+        lanes = self._lanes[ticket.rank]
+        own = len(lanes.get(ticket.tenant) or ())
+        longest = max(((len(lane), self.counter(ticket.rank, t), t) for t, lane in lanes.items() if lane),
+                      default=None)
+        if longest is not None and longest[0] > own + 1:
+            return self._take_newest(ticket.rank, longest[2])
         return None
+
+    def _take_newest(self, rank: int, tenant: str) -> Waiter:
+        self.size -= 1
+        return self._lanes[rank][tenant].pop()
 
     def work_ahead(self, ticket: Share) -> float:
         """Expected tokens of the waiters of ``ticket``'s class and more urgent ones."""
