@@ -140,6 +140,17 @@ def test_the_victim_is_the_newest_of_the_least_urgent_class_below_the_newcomer()
     assert q.size == 1 and q.ahead_of(T("x", rank=1)) and not q.ahead_of(T("x", rank=0))
 
 
+def test_within_a_class_a_full_queue_drops_from_the_longest_line():
+    q = FairQueue(ranks=1)
+    for i in range(3):
+        q.push(T("heavy"), f"heavy{i}")
+    q.push(T("light"), "light0")
+    assert q.victim(T("heavy")) is None  # its own line is the longest: the newcomer is refused
+    assert q.victim(T("light")).item == "heavy2"  # 3 waiting > 1 + 1
+    assert q.victim(T("light")) is None  # 2 waiting, not more than light's 1 + 1
+    assert order(q) == ["heavy0", "light0", "heavy1"]
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
