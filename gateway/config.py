@@ -112,6 +112,8 @@ class GatewayConfig:
             self.qos = load_tenants(self.tenants_file)
         if self.qos is not None:  # tenants' keys are client keys (auth is on when there are any)
             self.api_keys = list(dict.fromkeys([*self.api_keys, *self.qos.keys]))
+        elif self.tenant_header:
+            raise ValueError("--tenant-header names tenants of a tenants file: give --tenants-file")
         problem = tls_problem(self)
         if problem:
             raise ValueError(problem)

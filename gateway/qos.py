@@ -178,7 +178,7 @@ class Qos:
     def routed(self, ticket: Ticket, view: RequestView) -> None:
         """The request's prompt is read: expect its tokens, and refuse it now if its class's
         TTFT SLO is predicted out of reach."""
-        if view.token_ids is not None and not ticket.charged:
+        if view.token_ids is not None:  # a queue that charged the estimate settles what it charged
             ticket.cost = float(len(view.token_ids) + (view.max_tokens or self.spec.default_output_tokens))
         if ticket.slo is not None and self.predict is not None:
             predicted = self.predict(view, ticket)

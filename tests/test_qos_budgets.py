@@ -69,6 +69,24 @@ def test_tenant_keys_are_client_keys(tmp_path):
     assert "sk-secret" not in str(err.value) and "line" in str(err.value)
 
 
+def test_flags_and_yaml_name_the_tenants_file(tmp_path):
+    from gateway.cli import build_parser, config_from_args
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  a: {keys: [sk-a]}\n")
+    args = build_parser().parse_args(["serve", "--tenants-file", str(path), "--tenant-header", "X-Tenant"])
+    cfg = config_from_args(args)
+    assert cfg.tenant_header == "X-Tenant" and cfg.qos is not None and "sk-a" in cfg.api_keys
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(f"tenants_file: {path}\n")
+    assert config_from_args(build_parser().parse_args(["serve", "--config", str(config)])).qos is not None
+    config.write_text("qos: {}\n")  # read from the file only
+    with pytest.raises(ValueError, match="unknown config keys: qos"):
+        config_from_args(build_parser().parse_args(["serve", "--config", str(config)]))
+    with pytest.raises(ValueError, match="give --tenants-file"):
+        GatewayConfig(tenant_header="X-Tenant")
+
+
 def test_requests_budget_answers_429_with_openai_headers_and_refills():
     clock = Clock()
     budgets = Budgets(parse_tenants(SPEC), clock)

@@ -249,3 +249,75 @@ def test_hold_room_wakes_by_class_and_a_newcomer_behind_held_requests_waits():
         return woken
 
     assert run(main()) == ["high", "low"]
+
+
+class _Fleet:
+    """A ``gateway.attempts`` target with ``slots`` places: a decision takes a free one or
+    answers ``Hold``; an attempt keeps its place until the test lets it end."""
+
+    def __init__(self, slots: int) -> None:
+        from policies.loader import load_policy
+
+        self.policy = load_policy("round_robin")
+        self.free = slots
+        self.decided: list[str] = []  # request ids, at each decision
+        self.started: list[str] = []
+        self.ends: dict[str, asyncio.Event] = {}
+
+    async def decide(self, view, tried):
+        from policies.base import Hold
+
+        self.decided.append(view.request_id)
+        if not self.free:
+            return Hold(retry_s=5.0)
+        self.free -= 1
+        return "w"
+
+    @staticmethod
+    def urls(pick):
+        return (pick,)
+
+    async def attempt(self, request, view, raw, body, pick, n):
+        from aiohttp import web
+
+        self.started.append(view.request_id)
+        end = self.ends[view.request_id] = asyncio.Event()
+        await end.wait()
+        return web.Response(status=200)
+
+
+def test_held_requests_start_in_class_order_and_a_newcomer_behind_them_is_not_decided(monkeypatch):
+    from gateway.attempts import Attempts
+    from gateway.metrics import GatewayMetrics
+    from policies.base import Hold, RequestView
+
+    monkeypatch.setattr("gateway.attempts.DEFERRED", Hold(retry_s=5.0))  # no retry time within the test
+
+    async def main() -> _Fleet:
+        loop = Attempts(GatewayMetrics(), max_retries=0, max_hold_s=10.0)
+        loop.holds = room = FairHoldRoom(10.0, wake=16, ranks=2)
+        fleet = loop.target = _Fleet(slots=1)
+
+        def send(rid: str, ticket: T) -> asyncio.Future:
+            return asyncio.ensure_future(loop.run(None, RequestView(rid, "/generate", qos=ticket), b"{}", None))
+
+        tasks = [send("running", T("a", rank=1))]
+        for rid, rank in (("low1", 1), ("low2", 1), ("high", 0)):
+            await asyncio.sleep(0.01)
+            tasks.append(send(rid, T(rid, rank=rank)))
+        await asyncio.sleep(0.01)
+        assert fleet.started == ["running"] and room.held == 3
+        assert fleet.decided == ["running", "low1", "high"]  # low2 waited behind low1 undecided
+        for rid in ("running", "high", "low1"):
+            fleet.free += 1
+            fleet.ends[rid].set()
+            loop.freed()  # as the proxy does at a completion
+            for _ in range(100):  # bounded: until the next one has started
+                if len(fleet.started) == 1 + ("running", "high", "low1").index(rid) + 1:
+                    break
+                await asyncio.sleep(0.001)
+        fleet.ends["low2"].set()
+        await asyncio.gather(*tasks)
+        return fleet
+
+    assert run(main()).started == ["running", "high", "low1", "low2"]
