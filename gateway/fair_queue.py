@@ -12,9 +12,11 @@ Two rules keep it fair and work-conserving:
 - ``charge`` is called when a request is *served* (leaves the queue, or passes it without
   waiting), never when it arrives: a counter measures service, not demand.
 - A tenant that starts waiting after none of its requests were waiting is lifted to the
-  smallest counter among the tenants waiting in its class (or, with none waiting, to the
-  counter of the tenant served last): an idle tenant cannot bank credit to flood the
-  queue later, and a busy one is not punished for having used what nobody else wanted.
+  class's virtual time: the counter the last request served in the class had just before
+  it was charged (start-time fair queueing's system virtual time). An idle tenant cannot
+  bank credit to flood the queue later, a busy one is not punished for having used what
+  nobody else wanted, and a light tenant's request goes at the next turn (the others'
+  counters are each at least one request past it), not after one more of theirs.
 
 A request's expected tokens are settled against what the engine reported when it ends
 (``settle``), so counters track real usage. Each class is a VTC of its own. The queue is
@@ -52,7 +54,7 @@ class FairQueue:
         # per class rank: tenant -> its waiters, oldest first
         self._lanes: list[dict[str, collections.deque[Waiter]]] = [{} for _ in range(max(ranks, 1))]
         self._counters: dict[tuple[int, str], float] = {}
-        self._floor = [0.0] * max(ranks, 1)  # per class: the counter of the tenant served last
+        self._floor = [0.0] * max(ranks, 1)  # per class: its virtual time (see the module)
         self._seq = itertools.count()
         self.size = 0
 
@@ -76,11 +78,9 @@ class FairQueue:
         return waiter
 
     def _lift(self, rank: int, tenant: str) -> None:
-        waiting = [self.counter(rank, t) for t, lane in self._lanes[rank].items() if lane]
-        base = min(waiting) if waiting else self._floor[rank]
         key = (rank, tenant)
-        if self._counters.get(key, 0.0) < base:
-            self._counters[key] = base
+        if self._counters.get(key, 0.0) < self._floor[rank]:
+            self._counters[key] = self._floor[rank]
 
     def discard(self, waiter: Waiter) -> bool:
         """Take out a waiter that gave up; False when it is no longer queued."""
@@ -126,9 +126,9 @@ class FairQueue:
         return got[0] if got else None
 
     def ahead_of(self, ticket: Share) -> bool:
-        """Whether a newcomer with ``ticket`` would wait behind someone queued: anyone of a
-        more urgent class or of its own. (A tenant joining its class is lifted to the
-        smallest waiting counter, so at best it ties with the first waiter, who is older.)"""
+        """Whether a newcomer with ``ticket`` would be decided after someone queued: anyone
+        of a more urgent class or of its own. Within its class it may still go first; it
+        waits in the queue for its turn, which the queue's order gives it."""
         return self._best_rank(ticket.rank + 1) is not None
 
     def victim(self, ticket: Share) -> Waiter | None:
@@ -161,8 +161,9 @@ class FairQueue:
     def charge(self, ticket: Share) -> None:
         """``ticket``'s request is served now: its expected tokens count against its tenant."""
         key = (ticket.rank, ticket.tenant)
-        value = self._counters[key] = self._counters.get(key, 0.0) + ticket.cost / ticket.weight
-        self._floor[ticket.rank] = value
+        before = self._counters.get(key, 0.0)
+        self._counters[key] = before + ticket.cost / ticket.weight
+        self._floor[ticket.rank] = before
         ticket.charged.append((self, ticket.cost))
 
     def settle(self, ticket: Share, tokens: float, charged: float) -> None:

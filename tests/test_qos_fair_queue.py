@@ -115,6 +115,19 @@ def test_an_idle_tenant_banks_no_credit():
     assert first[0] > 0 and 0.7 < first[1] / first[0] < 1.4, first
 
 
+def test_a_light_tenant_joining_goes_at_the_next_turn():
+    """b's request is lifted to the class's virtual time (a's last start), below a's next:
+    it goes before a's next request, not after it."""
+    q = FairQueue(ranks=1)
+    for i in range(5):
+        q.push(T("a"), f"a{i}")
+    for _ in range(2):
+        q.charge(q.pop().ticket)
+    q.push(T("b"), "b0")
+    assert q.counter(0, "b") == pytest.approx(100) and q.counter(0, "a") == pytest.approx(200)
+    assert order(q)[:2] == ["b0", "a2"]
+
+
 def test_settling_counts_the_tokens_the_engine_reported():
     q = FairQueue(ranks=1)
     big, small = T("a", cost=100), T("b", cost=100)
