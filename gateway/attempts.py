@@ -181,10 +181,10 @@ class Attempts(Generic[P]):
                      first: bool) -> tuple[T, RequestView]:
         """``decide(view)``, holding the request while it answers ``Hold``; the answer, and
         the view as it stands after (``may_hold`` false: the decision is made)."""
-        may_hold = first and self.holds.max_hold_s > 0
+        ticket = view.qos
+        may_hold = first and self.holds.max_hold_s > 0 and (ticket is None or ticket.hold)
         if view.may_hold is not may_hold:
             view = view.holding(may_hold, view.held_s)
-        ticket = view.qos
         if ticket is not None and may_hold and self.holds.outranked(ticket):
             result: T | Hold = DEFERRED  # not decided: a decision books its worker
         else:

@@ -126,10 +126,18 @@ class FairQueue:
         return got[0] if got else None
 
     def ahead_of(self, ticket: Share) -> bool:
-        """Whether a newcomer with ``ticket`` would be decided after someone queued: anyone
-        of a more urgent class or of its own. Within its class it may still go first; it
-        waits in the queue for its turn, which the queue's order gives it."""
-        return self._best_rank(ticket.rank + 1) is not None
+        """Whether a newcomer with ``ticket`` would come after someone queued: anyone of a
+        more urgent class, an older request of its own tenant, or a tenant of its class
+        whose counter is not above the one the newcomer would have on joining (ties go to
+        who waits already)."""
+        if self._best_rank(ticket.rank) is not None:
+            return True
+        lanes = self._lanes[ticket.rank]
+        if lanes.get(ticket.tenant):
+            return True
+        waiting = [self.counter(ticket.rank, t) for t, lane in lanes.items() if lane]
+        joined = max(self.counter(ticket.rank, ticket.tenant), self._floor[ticket.rank])
+        return bool(waiting) and min(waiting) <= joined
 
     def victim(self, ticket: Share) -> Waiter | None:
         """The waiter a newcomer with ``ticket`` may push out of a full queue, taken out, or

@@ -27,7 +27,7 @@ from gateway.pd import splice_fields
 from gateway.metrics import GatewayMetrics
 from gateway.qos_metrics import QosMetrics
 from gateway.qos_queues import FairAdmission, FairHoldRoom
-from gateway.tenants import DEFAULT_TENANT, QosSpec, TenantSpec
+from gateway.tenants import DEFAULT_TENANT, ClassSpec, QosSpec, TenantSpec
 from index.views import Outcome, RequestView
 
 PRIORITY_HEADER = "X-Priority"
@@ -42,18 +42,19 @@ class Ticket:
     """One request's QoS: what the queues (``gateway.fair_queue.Share``), the budgets and
     the metrics read. ``outcome`` is the last attempt's, set by the proxy."""
 
-    __slots__ = ("tenant", "klass", "rank", "weight", "cost", "model", "slo", "started", "first_at", "outcome",
-                 "charged")
+    __slots__ = ("tenant", "klass", "rank", "weight", "cost", "model", "slo", "hold", "started", "first_at",
+                 "outcome", "charged")
 
-    def __init__(self, tenant: str, klass: str, rank: int, weight: float, cost: float, model: str | None,
-                 slo: float | None) -> None:
+    def __init__(self, tenant: str, klass: ClassSpec, rank: int, weight: float, cost: float,
+                 model: str | None) -> None:
         self.tenant = tenant
-        self.klass = klass
+        self.klass = klass.name
         self.rank = rank
         self.weight = weight
         self.cost = cost
         self.model = model
-        self.slo = slo
+        self.slo = klass.ttft_slo_secs
+        self.hold = klass.hold  # may wait in the hold room (``ClassSpec.hold``)
         self.started = time.perf_counter()
         self.first_at: float | None = None  # a stream's first byte to the client
         self.outcome: Outcome | None = None
@@ -147,8 +148,7 @@ class Qos:
         """The ticket of a request that carries no body to read (the default tenant's)."""
         t = self.by_name[DEFAULT_TENANT]
         rank = self.ranks[t.default_class]
-        return Ticket(t.name, t.default_class, rank, t.weight, float(self.spec.default_output_tokens), None,
-                      self.spec.classes[rank].ttft_slo_secs)
+        return Ticket(t.name, self.spec.classes[rank], rank, t.weight, float(self.spec.default_output_tokens), None)
 
     def admit(self, request: web.Request, raw: bytes, model: str | None, priority: Any, max_tokens: int | None,
               splice: bool = True) -> tuple[Ticket, bytes]:
@@ -163,7 +163,7 @@ class Qos:
             raise
         klass = self.spec.classes[rank]
         expected = (max_tokens if max_tokens is not None else self.spec.default_output_tokens) + len(raw) / 4
-        ticket = Ticket(tenant.name, klass.name, rank, tenant.weight, float(expected), model, klass.ttft_slo_secs)
+        ticket = Ticket(tenant.name, klass, rank, tenant.weight, float(expected), model)
         request[TICKET] = ticket
         if self.budgets is not None:
             try:

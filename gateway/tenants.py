@@ -4,7 +4,7 @@ A YAML mapping, read once at start-up (and again on a group's SIGHUP reload) int
 ``QosSpec`` that every QoS part reads (docs/qos.md)::
 
     classes:                      # most urgent first
-      interactive: {priority: 10, ttft_slo_secs: 2}
+      interactive: {priority: 10, ttft_slo_secs: 2, hold: false}   # hold: see ClassSpec
       standard: {priority: 0}
       batch: {priority: -10}
     default_class: standard       # default: the first class
@@ -37,7 +37,7 @@ DEFAULT_TENANT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TOP = {"classes", "default_class", "engine_priority", "default_output_tokens", "budget_window_secs", "tenants"}
 _TENANT = {"keys", "weight", "class", "classes", "requests_per_minute", "tokens_per_minute"}
-_CLASS = {"priority", "ttft_slo_secs"}
+_CLASS = {"priority", "ttft_slo_secs", "hold"}
 
 
 @dataclass(slots=True)
@@ -45,6 +45,9 @@ class ClassSpec:
     name: str
     priority: int = 0  # SGLang's request priority (larger runs first, its default order)
     ttft_slo_secs: float | None = None  # refuse at once what the fleet is predicted to start later than this
+    # held at the gateway while no worker can start it (late binding); false: sent at once, for a
+    # class engines that schedule by priority run first, where a running step is all it waits for
+    hold: bool = True
 
 
 @dataclass(slots=True)
@@ -119,7 +122,11 @@ def _classes(data: dict[str, Any]) -> list[ClassSpec]:
         prio = opts.get("priority", 0)
         if isinstance(prio, bool) or not isinstance(prio, int):
             raise ValueError(f"tenants file: class {name}: priority must be an integer")
-        out.append(ClassSpec(_name(name, "class"), prio, _limit(opts.get("ttft_slo_secs"), f"class {name} ttft_slo_secs")))
+        hold = opts.get("hold", True)
+        if not isinstance(hold, bool):
+            raise ValueError(f"tenants file: class {name}: hold must be true or false")
+        out.append(ClassSpec(_name(name, "class"), prio,
+                             _limit(opts.get("ttft_slo_secs"), f"class {name} ttft_slo_secs"), hold))
     return out
 
 

@@ -20,7 +20,8 @@ class Clock:
 
 
 SPEC = {
-    "classes": {"interactive": {"priority": 10, "ttft_slo_secs": 2}, "standard": {}, "batch": {"priority": -5}},
+    "classes": {"interactive": {"priority": 10, "ttft_slo_secs": 2, "hold": False}, "standard": {},
+                "batch": {"priority": -5}},
     "default_class": "standard",
     "tenants": {
         "alpha": {"keys": ["sk-a1", "sk-a2"], "weight": 2, "class": "interactive",
@@ -34,6 +35,7 @@ def test_the_file_gives_classes_tenants_and_defaults():
     spec = parse_tenants(SPEC)
     assert [c.name for c in spec.classes] == ["interactive", "standard", "batch"]
     assert spec.classes[0].ttft_slo_secs == 2.0 and spec.classes[2].priority == -5
+    assert not spec.classes[0].hold and spec.classes[1].hold
     alpha, beta, default = spec.tenants["alpha"], spec.tenants["beta"], spec.tenants["default"]
     assert alpha.weight == 2.0 and alpha.classes == ["interactive", "standard", "batch"]
     assert beta.default_class == "standard" and beta.classes == ["standard", "batch"]  # its class and lower
@@ -51,6 +53,7 @@ def test_the_file_gives_classes_tenants_and_defaults():
     ({"tenants": {"a": {"rpm": 3}}}, "unknown keys in tenant a: rpm"),
     ({"default_class": "gold"}, "default_class 'gold'"),
     ({"classes": {"x": {"priority": "high"}}}, "priority must be an integer"),
+    ({"classes": {"x": {"hold": "no"}}}, "hold must be true or false"),
 ])
 def test_a_bad_file_is_refused_with_the_reason(change, message):
     with pytest.raises(ValueError, match=message):

@@ -25,6 +25,7 @@ class T:
     weight: float = 1.0
     cost: float = 100.0
     model: str | None = None
+    hold: bool = True
     charged: list[tuple[Any, float]] = field(default_factory=list)
 
 
@@ -126,6 +127,19 @@ def test_a_light_tenant_joining_goes_at_the_next_turn():
     q.push(T("b"), "b0")
     assert q.counter(0, "b") == pytest.approx(100) and q.counter(0, "a") == pytest.approx(200)
     assert order(q)[:2] == ["b0", "a2"]
+
+
+def test_a_newcomer_waits_only_behind_those_it_would_come_after():
+    q = FairQueue(ranks=2)
+    for i in range(3):
+        q.push(T("a", rank=1), f"a{i}")
+    assert q.ahead_of(T("b", rank=1))  # equal counters: a waits already
+    q.charge(q.pop().ticket)  # a's counter is one request past the class's virtual time
+    assert not q.ahead_of(T("b", rank=1))  # b would go first: it may be decided at once
+    assert q.ahead_of(T("a", rank=1))  # a's own older requests
+    assert not q.ahead_of(T("x", rank=0))  # a more urgent class
+    q.push(T("y", rank=0), "y")
+    assert q.ahead_of(T("b", rank=1))
 
 
 def test_settling_counts_the_tokens_the_engine_reported():
@@ -334,3 +348,41 @@ def test_held_requests_start_in_class_order_and_a_newcomer_behind_them_is_not_de
         return fleet
 
     assert run(main()).started == ["running", "high", "low1", "low2"]
+
+
+def test_a_class_that_is_not_held_is_decided_at_once_past_held_requests(monkeypatch):
+    """``hold: false`` (a class the engines run first): no deferral, no hold; the policy
+    must choose, and the request goes while others of its class stay held."""
+    from gateway.attempts import Attempts
+    from gateway.metrics import GatewayMetrics
+    from policies.base import Hold, RequestView
+
+    monkeypatch.setattr("gateway.attempts.DEFERRED", Hold(retry_s=5.0))
+
+    async def main() -> _Fleet:
+        loop = Attempts(GatewayMetrics(), max_retries=0, max_hold_s=10.0)
+        loop.holds = FairHoldRoom(10.0, wake=16, ranks=1)
+        fleet = loop.target = _Fleet(slots=1)
+
+        def send(rid: str, ticket: T) -> asyncio.Future:
+            return asyncio.ensure_future(loop.run(None, RequestView(rid, "/generate", qos=ticket), b"{}", None))
+
+        tasks = [send("running", T("a")), send("held", T("b"))]
+        await asyncio.sleep(0.01)
+        fleet.free += 1  # room, with no event to wake the held request
+        tasks.append(send("urgent", T("c", hold=False)))
+        await asyncio.sleep(0.01)
+        assert fleet.started == ["running", "urgent"]
+        for rid in ("running", "urgent"):
+            fleet.ends[rid].set()
+        fleet.free += 1
+        loop.freed()
+        for _ in range(100):  # bounded: until the held one has started
+            if "held" in fleet.ends:
+                break
+            await asyncio.sleep(0.001)
+        fleet.ends["held"].set()
+        await asyncio.gather(*tasks)
+        return fleet
+
+    assert run(main()).started == ["running", "urgent", "held"]
