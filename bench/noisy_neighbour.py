@@ -7,8 +7,8 @@ arrival schedules in each:
 
 - capacity: a closed loop that keeps the fleet saturated measures the prefills it starts
   per second (the rates below are fractions of this);
-- ``B alone``: today's gateway, tenant B only (the baseline B's TTFT is held to);
-- ``FIFO``: today's gateway (no tenants file), A and B together;
+- ``B alone``: the gateway without a tenants file, tenant B only (the baseline B's TTFT is held to);
+- ``FIFO``: the gateway without a tenants file, A and B together;
 - ``QoS, equal weights``: a tenants file naming A and B, one class, weight 1 each (B asks
   for exactly its share);
 - ``QoS, B weight 3``: the same with B's weight 3 (a share of 3/4, above what it asks);
@@ -67,7 +67,7 @@ tenants:
   A: {keys: [sk-tenant-a]}
   B: {keys: [sk-tenant-b], class: interactive}
 """
-# run name -> (tenants file or None for today's gateway with the keys as plain API keys, engine flags)
+# run name -> (tenants file or None for no tenants file, the keys as plain API keys, engine flags)
 VARIANTS = {
     "FIFO": (None, []),
     "QoS, equal weights": (TENANTS % 1, []),
