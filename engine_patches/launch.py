@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "--hicache-storage-backend-extra-config JSON, or both; auto = both where the "
                     "target release reads the JSON for this role, else env")
 
+    sc = p.add_argument_group("scheduling")
+    sc.add_argument("--priority-scheduling", action="store_true",
+                    help="order the engine's queue by each request's priority (SGLang's "
+                    "--enable-priority-scheduling; larger first): the gateway's priority classes reach "
+                    "the engine when its tenants file sets engine_priority")
+
     ops = p.add_argument_group("process")
     ops.add_argument("--sglang-version", help="target SGLang release (default: the installed one, else "
                      f"{fmt(DEFAULT_SGLANG)})")
@@ -169,6 +175,8 @@ def build_command(
         argv += ["--page-size", str(args.page_size)]
     # Load and cache-hit signals the gateway's policies and metrics read.
     argv += ["--enable-metrics", "--enable-cache-report"]
+    if args.priority_scheduling:
+        argv.append("--enable-priority-scheduling")
 
     env: dict[str, str] = {}
     if args.role != "unified":

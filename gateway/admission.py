@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from typing import Any
+
 from gateway.errors import GatewayError
 
 
@@ -25,7 +27,8 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def _acquire(self) -> None:
+    async def _acquire(self, ticket: Any = None) -> None:
+        """``ticket``: the request's QoS ticket, which only a QoS queue reads (``gateway.qos_queues``)."""
         if self.active < self.max_concurrent and not self._waiters:
             self.active += 1
             return
@@ -55,24 +58,25 @@ class Admission:
                 return
         self.active -= 1
 
-    def slot(self) -> "_Slot":
+    def slot(self, ticket: Any = None) -> "_Slot":
         """``async with admission.slot():`` around the upstream call."""
-        return _Slot(self)
+        return _Slot(self, ticket)
 
 
 class _Slot:
     """A plain class, not ``@asynccontextmanager``: the generator-based one cost ~3 µs per
     request even with admission off (bench/RESULTS.md)."""
 
-    __slots__ = ("admission", "held")
+    __slots__ = ("admission", "held", "ticket")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, ticket: Any) -> None:
         self.admission = admission
         self.held = False
+        self.ticket = ticket
 
     async def __aenter__(self) -> None:
         if self.admission.max_concurrent > 0:
-            await self.admission._acquire()
+            await self.admission._acquire(self.ticket)
             self.held = True
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -127,13 +127,24 @@ class ApiRoutes:
             raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                code="model_not_found", param="model")
         owner = self._owner(body.previous_response_id) if route == RESPONSES and body.previous_response_id else None
+        qos, ticket = st.qos, None
+        if qos is not None:  # tenant, class (by header only: these bodies have no engine priority) and budget
+            max_out = body.max_output_tokens if type(body.max_output_tokens) is int else None
+            ticket, raw = qos.admit(request, raw, body.model, None, max_out, splice=False)
         started = time.perf_counter()
-        async with st.admission.slot():
-            view = await self._view(request, route, body)
-            if owner is None:
-                response = await self.proxy.forward(request, view, raw, body)
-            else:
-                response = await self._pinned(request, view, raw, body, owner)
+        try:
+            async with st.admission.slot(ticket):
+                view = await self._view(request, route, body)
+                if ticket is not None:
+                    view.qos = ticket
+                    qos.routed(ticket, view)
+                if owner is None:
+                    response = await self.proxy.forward(request, view, raw, body)
+                else:
+                    response = await self._pinned(request, view, raw, body, owner)
+        finally:
+            if ticket is not None:
+                qos.finish(ticket)
         st.metrics.latency_of(route).observe(time.perf_counter() - started)
         return normalized(response)
 

@@ -25,7 +25,7 @@ from gateway.openapi import openapi_json
 from gateway.posture import refuse_open_admin
 from gateway.ratelimit import check_rate
 from gateway.state import OPEN_PATHS, GatewayState
-from gateway.request import CHAT, COMPLETIONS, GENERATE, build_view, read_body, request_id_from
+from gateway.request import CHAT, COMPLETIONS, GENERATE, Body, build_view, read_body, request_id_from
 
 log = logging.getLogger("kvgate")
 _json = msgspec.json.encode
@@ -106,6 +106,12 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return await request.read()
 
 
+def _max_tokens(body: Body) -> int | None:
+    sp = body.sampling_params
+    sp = sp[0] if isinstance(sp, list) and sp else sp
+    return body.max_tokens or body.max_completion_tokens or (sp.max_new_tokens if sp is not None else None)
+
+
 def generation_handler(route: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         state: GatewayState = request.app[STATE]
@@ -117,11 +123,21 @@ def generation_handler(route: str):
             elif state.cfg.strict_models:
                 raise GatewayError(404, f"model {body.model!r} is not served here; see /v1/models",
                                    code="model_not_found", param="model")
+        qos, ticket = state.qos, None
+        if qos is not None:  # tenant, class and budget; the class's priority spliced in where configured
+            ticket, raw = qos.admit(request, raw, body.model, body.priority, _max_tokens(body))
         started = time.perf_counter()
-        async with state.admission.slot():  # before tokenizing: a refused request costs no encode
-            view = await build_view(body, route, request.headers, request_id_from(request.headers), state.encoder,
-                                    state.needs_prompt, packed)
-            response = await state.proxy.forward(request, view, raw, body)
+        try:
+            async with state.admission.slot(ticket):  # before tokenizing: a refused request costs no encode
+                view = await build_view(body, route, request.headers, request_id_from(request.headers),
+                                        state.encoder, state.needs_prompt, packed)
+                if ticket is not None:
+                    view.qos = ticket
+                    qos.routed(ticket, view)
+                response = await state.proxy.forward(request, view, raw, body)
+        finally:
+            if ticket is not None:
+                qos.finish(ticket)
         state.metrics.latency_of(route).observe(time.perf_counter() - started)
         return normalized(response)  # an engine's error, in the gateway's shape
 
@@ -208,6 +224,8 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
+    if state.qos is not None and state.qos.budgets is not None:  # x-ratelimit-* headers, streams included
+        app.on_response_prepare.append(state.qos.on_prepare)
     r = app.router
     r.add_post(CHAT, generation_handler(CHAT))
     r.add_post(COMPLETIONS, generation_handler(COMPLETIONS))

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.proxy")
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+# A QoS request that finds others held ahead of it waits its turn without a decision
+DEFERRED = Hold(retry_s=0.05, reason="behind held requests of its class or a more urgent one")
 T = TypeVar("T")
 P = TypeVar("P")
 
@@ -179,15 +181,23 @@ class Attempts(Generic[P]):
                      first: bool) -> tuple[T, RequestView]:
         """``decide(view)``, holding the request while it answers ``Hold``; the answer, and
         the view as it stands after (``may_hold`` false: the decision is made)."""
-        may_hold = first and self.holds.max_hold_s > 0
+        ticket = view.qos
+        may_hold = first and self.holds.max_hold_s > 0 and (ticket is None or ticket.hold)
         if view.may_hold is not may_hold:
             view = view.holding(may_hold, view.held_s)
-        result = await decide(view)
+        if ticket is not None and may_hold and self.holds.outranked(ticket):
+            result: T | Hold = DEFERRED  # not decided: a decision books its worker
+        else:
+            result = await decide(view)
         if isinstance(result, Hold):
-            return await self.hold(view, result, decide)
-        if view.may_hold:
-            view = view.holding(False, view.held_s)
-        return result, view
+            got = await self.hold(view, result, decide)
+        else:
+            if view.may_hold:
+                view = view.holding(False, view.held_s)
+            got = result, view
+        if ticket is not None and first:
+            self.holds.dispatched(ticket)
+        return got
 
     async def hold(self, view: RequestView, held: Hold, decide: Callable[[RequestView], Awaitable[T | Hold]]
                    ) -> tuple[T, RequestView]:
@@ -200,19 +210,23 @@ class Attempts(Generic[P]):
         policy = self.target.policy
         if not view.may_hold:
             raise refused_hold(policy)
-        room, start = self.holds, time.monotonic()
+        room, start, ticket = self.holds, time.monotonic(), view.qos
         self.metrics.held.inc()
         timeout = held.retry_s
         try:
             while True:
                 left = room.max_hold_s - (time.monotonic() - start)
-                woken = left > 0 and await room.wait(min(timeout, left))
+                woken = left > 0 and await room.wait(min(timeout, left), ticket)
                 held_s = time.monotonic() - start
                 view = view.holding(held_s < room.max_hold_s, held_s)
+                if not woken and view.may_hold and room.outranked(ticket):
+                    room.handover(ticket)  # its retry time is the turn of whoever is first
+                    timeout = max(held.retry_s, min(2 * timeout, 1.0))
+                    continue
                 result = await decide(view)
                 if not isinstance(result, Hold):
                     if woken:
-                        room.committed()
+                        room.committed(ticket)
                     return result, view.holding(False, held_s)
                 if not view.may_hold:
                     raise GatewayError(500, f"policy {policy.name!r} held a request past max_hold_secs",

@@ -74,6 +74,10 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
                         "completion, plus one per request that then goes (default 16); 0: every held request")
     g.add_argument("--rate-limit-rps", type=float, help="requests/s per API key (client IP without auth)")
     g.add_argument("--rate-limit-burst", type=float, help="bucket size for --rate-limit-rps (default: one second's)")
+    g.add_argument("--tenants-file", help="YAML file of tenants (keys, weights, priority classes, token and "
+                                          "request budgets): turns on multi-tenant QoS (docs/qos.md)")
+    g.add_argument("--tenant-header", metavar="NAME",
+                   help="request header that names the tenant (from the tenants file) when the API key names none")
     g.add_argument("--request-timeout-secs", type=float, help="upstream silence (no byte) that fails an attempt")
     g.add_argument("--max-payload-size", type=int)
     g.add_argument("--max-retries", type=int)
@@ -141,7 +145,7 @@ def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] |
     known = {f.name for f in fields(GatewayConfig)}
     for name in known:
         value = getattr(args, name, None)
-        if value is not None and name not in ("policy_options", "api_keys", "admin_api_keys", "workers"):
+        if value is not None and name not in ("policy_options", "api_keys", "admin_api_keys", "workers", "qos"):
             data[name] = value
     data["policy_options"] = {**data.get("policy_options", {}), **dict(args.policy_option)}
     keys = list(data.get("api_keys", [])) + list(args.api_key or [])
@@ -161,7 +165,7 @@ def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] |
     data["workers"] = workers
     try:
         cfg = GatewayConfig(**data)
-    except ValueError as exc:  # a selector, allowlist entry or TLS option that does not parse
+    except ValueError as exc:  # a selector, allowlist entry, TLS option or tenants file that does not parse
         raise SystemExit(f"kvgate: error: {exc}") from None
     problem = discovery_problem(cfg)
     if problem:

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from gateway.tenants import QosSpec, load_tenants
 from gateway.tls import tls_problem
 from gateway.worker_policy import normalize_allow
 
@@ -49,6 +50,10 @@ class GatewayConfig:
     max_payload_size: int = 256 * 1024 * 1024
     rate_limit_rps: float = 0.0  # per API key (or client IP without auth); 0: off
     rate_limit_burst: float = 0.0  # 0: one second's worth
+    # multi-tenant QoS (gateway.qos, docs/qos.md): tenants, priority classes, fair shares, budgets
+    tenants_file: str | None = None
+    tenant_header: str | None = None  # a header naming the tenant, for requests whose key names none
+    qos: QosSpec | None = None  # the tenants file, read once (by __post_init__)
     # upstream
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 5.0
@@ -103,6 +108,12 @@ class GatewayConfig:
         self.decode_selector = parse_selector(self.decode_selector)
         self.processes = process_count(self.processes)
         self.worker_url_allow = normalize_allow(self.worker_url_allow)
+        if self.tenants_file and self.qos is None:
+            self.qos = load_tenants(self.tenants_file)
+        if self.qos is not None:  # tenants' keys are client keys (auth is on when there are any)
+            self.api_keys = list(dict.fromkeys([*self.api_keys, *self.qos.keys]))
+        elif self.tenant_header:
+            raise ValueError("--tenant-header names tenants of a tenants file: give --tenants-file")
         problem = tls_problem(self)
         if problem:
             raise ValueError(problem)
@@ -154,7 +165,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at top level")
-    known = {f.name for f in fields(GatewayConfig)}
+    known = {f.name for f in fields(GatewayConfig)} - {"qos"}  # qos: read from tenants_file
     unknown = set(data) - known - {"worker_urls", "prefill", "decode"}
     if unknown:
         raise ValueError(f"{path}: unknown config keys: {', '.join(sorted(unknown))}")

@@ -21,6 +21,7 @@ Each decision books its worker before the next one runs.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 
 class HoldRoom:
@@ -37,10 +38,22 @@ class HoldRoom:
         """Something freed: the held requests decided least recently are decided again."""
         self._wake(self.wake or len(self._waiters))
 
-    def committed(self) -> None:
+    def committed(self, ticket: Any = None) -> None:
         """A request an event woke went to a worker: there may be room for the next one."""
         if self.wake:
             self._wake(1)
+
+    # A QoS room (``gateway.qos_queues``) orders its waiters by their tickets; this one
+    # keeps them in the order of their last decision and reads no ticket.
+    def outranked(self, ticket: Any) -> bool:
+        """Whether a request with ``ticket`` must let held requests decide before it."""
+        return False
+
+    def handover(self, ticket: Any) -> None:
+        """The retry time of a request with ``ticket`` came while others outrank it."""
+
+    def dispatched(self, ticket: Any) -> None:
+        """A request with ``ticket`` goes to a worker now (held or not)."""
 
     def _wake(self, n: int) -> None:
         waiters = self._waiters
@@ -51,7 +64,7 @@ class HoldRoom:
                 fut.set_result(None)
                 n -= 1
 
-    async def wait(self, timeout: float) -> bool:
+    async def wait(self, timeout: float, ticket: Any = None) -> bool:
         """Until an event wakes it (True) or ``timeout`` seconds pass (False). A caller an
         event woke reports with ``committed`` when its request then goes to a worker."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -308,6 +308,8 @@ class Pairs:
             count_tokens(metrics, p_outcome, pick.p_choice)
             self.prefill_policy.on_complete(view, prefill.view, p_outcome)
             self.decode_policy.on_complete(view, decode.view, d_outcome)
+            if view.qos is not None:
+                view.qos.outcome = d_outcome
             peers.completed(view, prefill.view, p_outcome)
             peers.completed(view, decode.view, d_outcome)
             self.freed()

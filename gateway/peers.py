@@ -7,7 +7,7 @@ predicted hit (a policy's ``on_peer_routed`` records it as its own ``select`` wo
 approximate tree's insert, ``cost``'s booking with its hit), first tokens and completions
 (the ledger's queues and learned rates, held requests woken), the in-flight count per
 worker (a peer's request counts in the worker's ``WorkerView.in_flight`` here), and each
-client's rate-limit spend, and which worker stores each Responses object. What engines report (KV events, load) each process hears itself.
+client's rate-limit spend, each tenant's budget spend, and which worker stores each Responses object. What engines report (KV events, load) each process hears itself.
 
 Nothing waits on the bus. Records are applied as they arrive (one publisher's in order);
 while the bus is down each process routes on what it has. Liveness: every process says
@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.records import (Alive, Completed, FirstToken, Hello, Owned, Routed, Spent, decode_batch, encode,
+from gateway.records import (Alive, Completed, FirstToken, Hello, Owned, Routed, Spent, Used, decode_batch, encode,
                              outcome_of, peer_view, request_fields)
 from index.views import Outcome, RequestView, WorkerView
 from policies.base import Policy
@@ -81,6 +81,7 @@ class Peers(Local):
         self.wake_step_s = wake_step_s  # longer than a record's usual trip (the bus lingers 2 ms)
         self.freed: Callable[[], None] = lambda: None  # wakes held requests (the proxy's)
         self.charge: Callable[[str], None] | None = None  # debits a client's rate-limit bucket
+        self.use: Callable[[str, int, int], None] | None = None  # debits a tenant's budgets (requests, tokens)
         self.learn_owner: Callable[[str, str], None] | None = None  # a Responses object's worker
         self.mine: dict[str, _Request] = {}  # rid -> what this process has in flight
         self.theirs: dict[str, dict[str, _Request]] = {}  # origin -> rid -> a peer's in flight
@@ -135,6 +136,9 @@ class Peers(Local):
     def spent(self, client: str) -> None:
         self.bus.publish(encode(Spent(self.origin, time.time(), client)))
 
+    def used(self, tenant: str, requests: int, tokens: int) -> None:
+        self.bus.publish(encode(Used(self.origin, time.time(), tenant, requests, tokens)))
+
     def owned(self, response_id: str, url: str) -> None:
         self.bus.publish(encode(Owned(self.origin, time.time(), response_id, url)))
 
@@ -188,6 +192,9 @@ class Peers(Local):
                 self._resend()
             elif kind is Spent and self.charge is not None:
                 self.charge(record.client)
+                self.charged += 1
+            elif kind is Used and self.use is not None:
+                self.use(record.tenant, record.requests, record.tokens)
                 self.charged += 1
             elif kind is Owned and self.learn_owner is not None:
                 self.learn_owner(record.response_id, record.url)

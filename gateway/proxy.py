@@ -21,6 +21,7 @@ from aiohttp import web
 
 from gateway.attempts import RETRYABLE_STATUS, Attempts, Failure, Target, Tried, failed, refused_hold, select
 from gateway.errors import GatewayError, sse_error_frame
+from gateway.hold import HoldRoom
 from gateway.metrics import GatewayMetrics
 from gateway.peers import ALONE, Local
 from gateway.workers import Worker, WorkerRegistry
@@ -144,10 +145,14 @@ class Proxy:
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
                  metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 16,
-                 target: Callable[[Callable[[], None]], Target] | None = None, peers: Local = ALONE) -> None:
+                 target: Callable[[Callable[[], None]], Target] | None = None, peers: Local = ALONE,
+                 holds: HoldRoom | None = None) -> None:
         """``target(freed)`` builds what is attempted; ``freed`` wakes held requests.
-        ``peers`` hears each request's life next to the policy (``gateway.peers``)."""
+        ``peers`` hears each request's life next to the policy (``gateway.peers``);
+        ``holds``: a hold room of another order than the default's (``gateway.qos_queues``)."""
         self.attempts: Attempts = Attempts(metrics, max_retries, max_hold_s, hold_wake)
+        if holds is not None:
+            self.attempts.holds = holds
         make = target or (lambda freed: Unified(registry, policy, session, metrics, freed, peers))
         self.attempts.target = make(self.attempts.freed)
         self.holds = self.attempts.holds
@@ -268,6 +273,8 @@ class Unified:
             if upstream is not None:
                 upstream.close()  # idempotent after a full read; drops the connection otherwise
             count_tokens(metrics, outcome, choice)
+            if view.qos is not None:
+                view.qos.outcome = outcome
             self.policy.on_complete(view, worker.view, outcome)
             self.peers.completed(view, worker.view, outcome)
             self.freed()
@@ -297,6 +304,8 @@ async def relay(request: web.Request, view: RequestView, worker: Worker, upstrea
     })
     await response.prepare(request)
     metrics.ttft_of(view.route).observe(time.perf_counter() - started)
+    if view.qos is not None:
+        view.qos.first_at = time.perf_counter()
     policy.on_first_token(view, worker.view)
     peers.first_token(view, worker.view)
     freed()

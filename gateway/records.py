@@ -7,9 +7,9 @@ per leg (one unified worker, or a prefill and a decode worker), then a ``FirstTo
 record carries it, later legs and retries of the same request id leave it out). ``Alive``
 says every second which requests its origin still has in flight, ``Hello`` asks every
 peer to send its in-flight requests again (a process that joined or reconnected), and
-``Spent`` charges a client's rate-limit bucket everywhere, ``Owned`` names the worker that
-stores a Responses object. Seconds are ``time.time()`` at
-the origin, for the lag metric only.
+``Spent`` charges a client's rate-limit bucket everywhere, ``Used`` a tenant's request
+and token budgets (``gateway.budgets``), ``Owned`` names the worker that stores a
+Responses object. Seconds are ``time.time()`` at the origin, for the lag metric only.
 """
 
 from __future__ import annotations
@@ -86,7 +86,15 @@ class Owned(msgspec.Struct, tag=7, array_like=True):
     url: str
 
 
-Record = Routed | FirstToken | Completed | Alive | Hello | Spent | Owned
+class Used(msgspec.Struct, tag=8, array_like=True):
+    origin: str
+    sent: float
+    tenant: str  # a name from the tenants file (never a key)
+    requests: int = 0
+    tokens: int = 0
+
+
+Record = Routed | FirstToken | Completed | Alive | Hello | Spent | Owned | Used
 encode = msgspec.msgpack.Encoder().encode
 decode_batch = msgspec.msgpack.Decoder(list[Record]).decode
 

@@ -53,6 +53,7 @@ class Body(msgspec.Struct):
     logprobs: bool | int | None = None
     return_logprob: bool | list[bool] | None = None
     n: int | None = None
+    priority: Any = None  # SGLang's request priority; a QoS gateway reads it as a class (gateway.qos)
     # (*) one list of ids that read_body read is an array("I") (wire.prefix_ids), not a list
 
 

@@ -41,7 +41,9 @@ class GatewayState:
         self.cfg = cfg
         self.process_index = group.process_index()  # slot in a process group (gateway.group); 0 alone
         self.metrics = GatewayMetrics()
-        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs)
+        self.qos = _qos(cfg, self.metrics)  # multi-tenant QoS (gateway.qos); None without a tenants file
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs) \
+            if self.qos is None else self.qos.admission(cfg)
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
         self.encoder = PromptEncoder(tokenizer, cfg.tokenize_inline_chars) if tokenizer is not None else None
         # One policy per worker role: unified workers use the main policy; in PD mode the
@@ -108,6 +110,9 @@ class GatewayState:
             self.metrics.watch_peers(self.peers)
             if self.limiter is not None:
                 self.limiter.on_spent, self.peers.charge = self.peers.spent, self.limiter.charge
+            budgets = self.qos.budgets if self.qos is not None else None
+            if budgets is not None:  # a tenant's budget is the group's
+                budgets.on_used, self.peers.use = self.peers.used, budgets.charge
         self.routing_peers = peers  # who hears each routed request's life (ALONE: nobody)
         unique = list({id(p): p for p in self.policies.values()}.values())
         self.registry.poll_load = any(p.needs_engine_load for p in unique)
@@ -119,7 +124,12 @@ class GatewayState:
                              prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"],
                              peers=peers)
         self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
-                           cfg.max_hold_secs, cfg.hold_wake, target=pairs, peers=peers)
+                           cfg.max_hold_secs, cfg.hold_wake, target=pairs, peers=peers,
+                           holds=self.qos.hold_room(cfg) if self.qos is not None else None)
+        if self.qos is not None:
+            self.qos.watch(self.proxy.holds, self.policies.get("prefill", self.policy),
+                           lambda model: self.registry.candidates(model, role="prefill" if cfg.pd_disaggregation
+                                                                  else "unified"))
         for role, policy in self.policies.items():
             self.metrics.policy_sources.append((f"{role}:{policy.name}", policy.stats))
         for policy in unique:
@@ -180,6 +190,15 @@ class GatewayState:
         if worker.url in self.registry.workers:
             for kind, same in found.items():
                 self.metrics.tokenizer_match.labels(worker.url, kind).set(1 if same else 0)
+
+
+def _qos(cfg: GatewayConfig, metrics: GatewayMetrics) -> Any:
+    """Imported here: a gateway without a tenants file loads none of it."""
+    if cfg.qos is None:
+        return None
+    from gateway.qos import Qos
+
+    return Qos(cfg.qos, cfg.tenant_header, metrics)
 
 
 def _discovery(cfg: GatewayConfig, registry: WorkerRegistry, metrics: GatewayMetrics) -> Any:

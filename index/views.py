@@ -117,13 +117,14 @@ class RequestView:
     headers: Mapping[str, str] = field(default_factory=dict)
     may_hold: bool = False  # the gateway accepts ``Hold`` for this decision
     held_s: float = 0.0  # how long the gateway has held this request so far
+    qos: Any = None  # the gateway's QoS ticket (gateway.qos.Ticket); None where QoS is off
 
     def holding(self, may_hold: bool, held_s: float) -> RequestView:
         """This request with a new hold state (``dataclasses.replace`` costs ~7x as much,
         twice a request; tests/test_gateway_attempts.py holds it to every field)."""
         return RequestView(self.request_id, self.route, self.model, self.text, self.token_ids, self.packed_ids,
                            self.session_key, self.stream, self.max_tokens, self.cache_salt, self.headers,
-                           may_hold, held_s)
+                           may_hold, held_s, self.qos)
 
     def packed(self) -> bytes | None:
         """``token_ids`` as uint32 little-endian (None if some id is no uint32): ``packed_ids``

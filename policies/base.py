@@ -112,6 +112,12 @@ class Policy:
         the gateway then asks this policy for every pair (see the module)."""
         return select_each(self, self, request, prefills, decodes)
 
+    def predicted_ttft(self, request: RequestView, workers: Sequence[WorkerView]) -> float | None:
+        """Seconds to this request's first token on the best of ``workers`` if it were sent
+        now, or None when the policy cannot tell (the default). Books nothing; the gateway
+        reads it for priority classes with a TTFT objective (``gateway.qos``)."""
+        return None
+
     # Lifecycle hooks: the defaults do nothing, so simple policies stay simple.
     def on_routed(self, request: RequestView, worker: WorkerView) -> None: ...
 

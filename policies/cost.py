@@ -142,6 +142,10 @@ class Cost(Policy):
         order, and its score (the quantity ``select`` minimises)."""
         return self.pricer.price(self.backlogs(request, workers, match))
 
+    def predicted_ttft(self, request: RequestView, workers: Sequence[WorkerView]) -> float | None:
+        costs, _ = self.price(request, workers)
+        return min(ttft for ttft, _, _ in costs) if costs else None
+
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
         match = self.match(request, workers)

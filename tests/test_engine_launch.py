@@ -23,7 +23,7 @@ ROLE_CASES = {
     "decode-tcp": ["--role", "decode", "--port", "30001", "--bootstrap-port", "9000",
                    "--kv-events-port", "5560", "--hicache", "--hicache-ratio", "2"],
     "unified": ["--role", "unified", "--kv-events-port", "5570", "--page-size", "64", *MASTER,
-                "--hicache-write-policy", "write_through", "--global-segment-size", "8gb"],
+                "--hicache-write-policy", "write_through", "--global-segment-size", "8gb", "--priority-scheduling"],
 }
 
 
@@ -69,6 +69,11 @@ def test_unified_has_no_pd_flags_and_hicache_without_master_has_no_l3():
     assert not [a for a in argv if a.startswith("--disaggregation")]
     assert "--enable-hierarchical-cache" in argv and "--hicache-storage-backend" not in argv
     assert not [k for k in env if k.startswith(("MOONCAKE", "MC_"))]
+
+
+def test_priority_scheduling_only_when_asked():
+    assert "--enable-priority-scheduling" in build("--role", "unified", "--priority-scheduling")[0]
+    assert "--enable-priority-scheduling" not in build("--role", "unified")[0]
 
 
 def test_mooncake_config_knob_selects_env_or_flag():
@@ -147,6 +152,7 @@ def test_sglang_parser_accepts_every_role(case):
         assert sa.disaggregation_bootstrap_port == int(flag(argv, "--disaggregation-bootstrap-port"))
     if "--mooncake-master" in ROLE_CASES[case]:
         assert sa.hicache_storage_backend == "mooncake"
+    assert sa.enable_priority_scheduling == ("--priority-scheduling" in ROLE_CASES[case])
 
 
 def test_mooncake_store_reads_the_same_settings_from_flag_and_env(monkeypatch):

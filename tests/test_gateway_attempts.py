@@ -136,7 +136,7 @@ def test_the_fast_replacements_keep_every_other_field():
                   "server_info": {"page_size": 16}, "model": "m", "text": "t", "token_ids": [1, 2],
                   "packed_ids": b"\x01\x00\x00\x00\x02\x00\x00\x00", "session_key": "s", "stream": True,
                   "max_tokens": 3, "cache_salt": "salt", "headers": {"a": "b"}, "in_flight": 2,
-                  "may_hold": False, "held_s": 0.0}
+                  "may_hold": False, "held_s": 0.0, "qos": "ticket"}
         names = [f.name for f in dataclasses.fields(cls)]
         assert set(names) <= values.keys(), set(names) - values.keys()
         return cls(**{n: values[n] for n in names})
