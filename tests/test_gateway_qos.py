@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import MODEL
 from tests.support import get_text, metric_value
+from tests.support import wait_until as wait_for
 from tests.test_gateway_wire import Recorder, post
 
 TENANTS = """
@@ -34,14 +34,6 @@ def tenants_file(tmp_path: Path, engine_priority: bool = False, window: float = 
     return str(path)
 
 
-def wait_for(what: Callable[[], object], timeout: float = 15.0, why: str = "") -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {why}")
 
 
 def completion(gw, key: str, max_tokens: int = 4, headers: dict[str, str] | None = None, stream: bool = False,

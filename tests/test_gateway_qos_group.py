@@ -10,7 +10,7 @@ import pytest
 from gateway.nats_server import EmbeddedNats
 from tests.conftest import MODEL
 from tests.support import get_text, metric_value
-from tests.test_gateway_qos import wait_for
+from tests.support import wait_until as wait_for
 from tests.test_gateway_wire import post
 
 # A window long enough that nothing refills while the test runs
