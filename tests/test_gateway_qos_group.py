@@ -38,16 +38,23 @@ def nats():
         yield server
 
 
-def test_a_tenants_budget_is_the_groups_not_each_replicas(start_sim, start_gateway, nats, tmp_path):
+def replicas(start_sim, start_gateway, nats, tmp_path):
+    """Two gateways with the tenants file on one NATS, once they hear each other; and their arguments."""
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANTS)
     sim = start_sim()
     args = ("--tenants-file", str(path), "--policy", "least_load", "--state-heartbeat-secs", "0.3")
     a = start_gateway(sim.url, args=args + ("--state-url", nats.url))
     b = start_gateway(sim.url, args=args + ("--state-url", nats.url))
-    alone = start_gateway(sim.url, args=args)  # the control: no shared state
+    a.sim_url = sim.url
     wait_for(lambda: state(a, "kvgate_state_peers") >= 1 and state(b, "kvgate_state_peers") >= 1,
              why="a and b hear each other")
+    return a, b, args
+
+
+def test_a_tenants_budget_is_the_groups_not_each_replicas(start_sim, start_gateway, nats, tmp_path):
+    a, b, args = replicas(start_sim, start_gateway, nats, tmp_path)
+    alone = start_gateway(a.sim_url, args=args)  # the control: no shared state
     assert [one(a)[0] for _ in range(2)] == [200, 200]
     wait_for(lambda: state(b, "kvgate_state_records_total", outcome="charged") >= 2, why="b charges a's requests")
     status, headers = one(b)
@@ -61,14 +68,7 @@ def test_a_tenants_budget_is_the_groups_not_each_replicas(start_sim, start_gatew
 
 
 def test_tokens_reported_at_one_replica_count_at_the_other(start_sim, start_gateway, nats, tmp_path):
-    path = tmp_path / "tenants.yaml"
-    path.write_text(TENANTS)
-    sim = start_sim()
-    args = ("--tenants-file", str(path), "--policy", "least_load", "--state-heartbeat-secs", "0.3")
-    a = start_gateway(sim.url, args=args + ("--state-url", nats.url))
-    b = start_gateway(sim.url, args=args + ("--state-url", nats.url))
-    wait_for(lambda: state(a, "kvgate_state_peers") >= 1 and state(b, "kvgate_state_peers") >= 1,
-             why="a and b hear each other")
+    a, b, _ = replicas(start_sim, start_gateway, nats, tmp_path)
     status, headers = one(a, "sk-gamma", max_tokens=8)  # 8 completion tokens and the prompt's: over 5
     assert status == 200 and headers["x-ratelimit-limit-tokens"] == "5"
     wait_for(lambda: state(b, "kvgate_state_records_total", outcome="charged") >= 1, why="b charges a's tokens")
