@@ -100,6 +100,13 @@ def fill(index, workers: list[WorkerView], owners: dict[int, list[int]], conv_pa
                         page_size, tokens)
 
 
+def announced(policy, workers: list[WorkerView]):
+    """``policy`` told of ``workers`` as the gateway's registry tells it, before any decision."""
+    for w in workers:
+        policy.on_worker_added(w)
+    return policy
+
+
 def timed(fn, requests, workers) -> tuple[list[float], list[float]]:
     """Wall and thread-CPU microseconds per call. On a shared machine the CPU time is the
     decision's own cost; wall time adds whatever preemption by other processes cost."""
@@ -149,6 +156,7 @@ def hot_prefix(workers: list[WorkerView], page_size: int, in_flight: int, decisi
         pol = (KvEvents(speculative_ttl_s=3600) if policy == "kv_events"
                else Cost(index="precise", speculative_ttl_s=3600))
         pol.index.precise = pol.feed.index = index
+        announced(pol, workers)
         fn = pol.select
     return timed(fn, [request(f"hot{i}") for i in range(decisions)], workers)
 
@@ -314,6 +322,8 @@ def main() -> None:
     ca = CacheAware(index=radix)
     cost_precise = Cost(index=precise)
     cost_approx = Cost(index=radix)
+    for pol in (kv, ca, cost_precise, cost_approx):
+        announced(pol, workers)
 
     if not args.no_gc_freeze:
         tune_gc()

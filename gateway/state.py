@@ -178,6 +178,8 @@ class GatewayState:
             return
         if event == "added":
             policy.on_worker_added(worker.view)
+        elif event == "updated":
+            policy.on_worker_updated(worker.view)
         elif event == "removed":
             policy.on_worker_removed(worker.view)
             self.metrics.healthy.remove(worker.url, worker.view.role)

@@ -6,6 +6,8 @@ changed once handed out: ``index.views``). A new report (load, server_info) goes
 ``WorkerView.reported``, so policies learn from ``WorkerView.reports`` that one came.
 Background loops probe ``/health`` with failure/success thresholds and, when the policy
 asks for it, poll ``/v1/loads`` (falling back to ``/get_load`` on older SGLang).
+Listeners hear ``added``, ``removed``, ``health``, and ``updated`` when a known worker's
+server_info is read again or the KV capacity it reports changes (``Policy.on_worker_updated``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class WorkerRegistry:
         self.cfg = cfg
         self.session = session
         self.workers: dict[str, Worker] = {}
-        self.listeners: list[Callable[[str, Worker], None]] = []  # ("added"|"removed"|"health", worker)
+        self.listeners: list[Callable[[str, Worker], None]] = []  # ("added"|"updated"|"removed"|"health", worker)
         self.poll_load = False
         self.vet: Callable[[str], Awaitable[None]] | None = None  # raises to refuse a runtime add (worker_policy)
         self._tasks: list[asyncio.Task] = []
@@ -215,6 +217,8 @@ class WorkerRegistry:
                 worker.breaker.record_success()
                 if not worker.view.models:
                     await self._discover(worker)
+                    if worker.url in self.workers:
+                        self._emit("updated", worker)
         else:
             worker.ok_streak = 0
             worker.fail_streak += 1
@@ -231,7 +235,10 @@ class WorkerRegistry:
             return
         try:
             load = parse_loads(await self._get_json(worker, worker.load_endpoint))
+            before = worker.view.load
             worker.view = worker.view.reported(load=load)
+            if before is None or before.max_tokens != load.max_tokens:  # the KV capacity it states
+                self._emit("updated", worker)
         except aiohttp.ClientResponseError as exc:
             if exc.status == 404:  # older SGLang: only /get_load; newer: only /v1/loads
                 worker.load_endpoint = "/get_load" if worker.load_endpoint == "/v1/loads" else None

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -25,7 +24,7 @@ import zmq.asyncio
 
 from index.block_index import BlockIndex
 from index.kv_subscriber import Publisher, Slice, Subscriber
-from index.views import SameUrls, WorkerView
+from index.views import WorkerView
 
 log = logging.getLogger("kvgate.policies.kv_events")
 
@@ -75,10 +74,8 @@ class KvEventFeed:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[Publisher, asyncio.Task] = {}
         self._workers: dict[str, WorkerView] = {}
-        self._followed = SameUrls()  # the last worker list follow() checked
         self._waiting: set[str] = set()  # known workers whose server_info named no publisher yet
         self._warned: set[str] = set()
-        self._recheck_at = 0.0
         self._missing_level = logging.INFO if quiet else logging.WARNING  # quiet: events are optional
         self.counters = dict.fromkeys(
             ("messages", "gaps", "replayed", "unrecoverable", "restarts", "disconnects", "decode_errors"), 0)
@@ -113,23 +110,15 @@ class KvEventFeed:
                     subscriber = Subscriber(self.index, self._ctx, self.slice, self.counters, self.replay_timeout_s)
                     self._tasks[pub] = asyncio.get_running_loop().create_task(subscriber.run(pub))
 
-    def follow(self, workers: Sequence[WorkerView]) -> None:
-        """Add workers the gateway routes to but never announced; re-check, at most once a
-        second, those whose server_info named no publisher (discovery can lag registration)."""
-        if self._followed.changed(workers):  # usually the same workers as last time
-            known = self._workers
-            for w in workers:
-                if w.url not in known:
-                    self.add(w)
-        if self._waiting and time.monotonic() >= self._recheck_at:
-            # A waiting worker's server_info comes in a later view than the one it was added
-            # with: re-check the one this decision was given.
-            for w in workers:
-                if w.url in self._waiting:
-                    self._workers[w.url] = w
-            self._recheck_at = time.monotonic() + 1.0
-            for url in list(self._waiting):
-                self._activate(self._workers[url])
+    def update(self, worker: WorkerView) -> None:
+        """A newer view of a worker: subscribe now if its server_info has come to name a
+        publisher (a worker registered before it was up is read again once healthy)."""
+        if worker.url not in self._workers:
+            self.add(worker)
+            return
+        self._workers[worker.url] = worker
+        if worker.url in self._waiting:
+            self._activate(worker)
 
     def feeds_any(self, workers: Sequence[WorkerView]) -> bool:
         """Whether events can describe at least one of ``workers`` (O(1) when all are fed)."""

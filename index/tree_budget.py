@@ -17,8 +17,6 @@ length over it (~1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from index.views import Outcome, RequestView, WorkerView
 from index.radix import RadixIndex
 
@@ -36,27 +34,30 @@ def worker_capacity(worker: WorkerView) -> int:
 
 
 class TreeBudget:
-    def __init__(self, tree: RadixIndex, option: object = "auto", fallback: int = 1 << 24,
-                 recheck_every: int = 256) -> None:
+    """The tree's unit budget: the fleet's KV capacity (``worker_changed``/``worker_removed``
+    keep it) times the learned units per token (``learn``)."""
+
+    def __init__(self, tree: RadixIndex, option: object = "auto", fallback: int = 1 << 24) -> None:
         self.tree = tree
         self.auto = option in (None, "auto")
         self.fallback = int(fallback)
         self.tree.max_units = self.fallback if self.auto else int(option)  # type: ignore[arg-type]
-        self.recheck_every = int(recheck_every)
         self.units_per_token = DEFAULT_UNITS_PER_TOKEN
         self.capacity_tokens = 0
-        self._seen = 0
-        self._fleet = 0
+        self._capacity: dict[str, int] = {}  # per worker url
 
-    def observe(self, workers: Sequence[WorkerView]) -> None:
-        """Per decision: re-read capacities when the fleet changes or every few hundred."""
-        if not self.auto:
-            return
-        self._seen += 1
-        if len(workers) == self._fleet and self._seen % self.recheck_every:
-            return
-        self._fleet = len(workers)
-        self.capacity_tokens = sum(worker_capacity(w) for w in workers)
+    def worker_changed(self, worker: WorkerView) -> None:
+        """A worker joined or reported anew: re-read its capacity."""
+        if self.auto:
+            self._capacity[worker.url] = worker_capacity(worker)
+            self._refit()
+
+    def worker_removed(self, url: str) -> None:
+        if self._capacity.pop(url, None) is not None:
+            self._refit()
+
+    def _refit(self) -> None:
+        self.capacity_tokens = sum(self._capacity.values())
         self._apply()
 
     def learn(self, request: RequestView, outcome: Outcome) -> None:
@@ -67,6 +68,8 @@ class TreeBudget:
         units = len(request.token_ids) if tokens_keyed else len(request.text or "")  # type: ignore[arg-type]
         if units:
             self.units_per_token += 0.05 * (units / outcome.prompt_tokens - self.units_per_token)
+            if self.capacity_tokens:
+                self._apply()
 
     def _apply(self) -> None:
         if not self.capacity_tokens:

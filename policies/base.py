@@ -136,7 +136,13 @@ class Policy:
 
     def on_complete(self, request: RequestView, worker: WorkerView, outcome: Outcome) -> None: ...
 
-    def on_worker_added(self, worker: WorkerView) -> None: ...
+    def on_worker_added(self, worker: WorkerView) -> None:
+        """A worker joined the fleet this policy routes (before any ``select`` sees it)."""
+
+    def on_worker_updated(self, worker: WorkerView) -> None:
+        """A newer view of a known worker: its ``server_info`` was read again, or the KV
+        capacity its load report states changed. Per-decision inputs (load, in-flight) do
+        not call this; ``select`` is given them."""
 
     def on_worker_removed(self, worker: WorkerView) -> None: ...
 

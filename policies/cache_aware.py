@@ -143,8 +143,6 @@ class CacheAware(Policy):
 
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
         require_workers(workers)
-        if self.budget is not None:
-            self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
         if request.session_key and self.affinity is not None:
             match = self.affinity.credit(request, workers, match, forgetting(self.index, request))
@@ -172,8 +170,18 @@ class CacheAware(Policy):
         if self.budget is not None:
             self.budget.learn(request, outcome)
 
+    def on_worker_added(self, worker: WorkerView) -> None:
+        if self.budget is not None:
+            self.budget.worker_changed(worker)
+
+    def on_worker_updated(self, worker: WorkerView) -> None:
+        if self.budget is not None:
+            self.budget.worker_changed(worker)
+
     def on_worker_removed(self, worker: WorkerView) -> None:
         self.index.remove_worker(worker.url)
+        if self.budget is not None:
+            self.budget.worker_removed(worker.url)
         if self.affinity is not None:
             self.affinity.worker_removed(worker.url)
 

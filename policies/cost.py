@@ -116,10 +116,6 @@ class Cost(Policy):
         """What the index knows of these workers right now, with the request's key's last
         worker credited where the index knows less (``policies.affinity``); nothing while
         hit verification has degraded routing to load alone."""
-        if self.feed is not None:
-            self.feed.follow(workers)
-        if self.budget is not None:
-            self.budget.observe(workers)
         match = self.index.match(request, workers) if self.index.usable(request) else IndexMatch()
         if self.verifier.degraded:
             return _NO_MATCH
@@ -242,10 +238,20 @@ class Cost(Policy):
     def on_worker_added(self, worker: WorkerView) -> None:
         if self.feed is not None:
             self.feed.add(worker)
+        if self.budget is not None:
+            self.budget.worker_changed(worker)
+
+    def on_worker_updated(self, worker: WorkerView) -> None:
+        if self.feed is not None:
+            self.feed.update(worker)
+        if self.budget is not None:
+            self.budget.worker_changed(worker)
 
     def on_worker_removed(self, worker: WorkerView) -> None:
         if self.feed is not None:
             self.feed.remove(worker.url)
+        if self.budget is not None:
+            self.budget.worker_removed(worker.url)
         self.index.remove_worker(worker.url)
         self.ledger.worker_removed(worker.url)
         if self.affinity is not None:

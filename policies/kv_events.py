@@ -16,14 +16,14 @@ Options beyond ``cache_aware``'s: ``kv_endpoints`` (worker URL -> endpoint or
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from dataclasses import dataclass
 
 from index.build import PreciseOptions, precise_index
 from index.prefix import PrefixIndex
 from index.tree_budget import TreeBudget
-from policies.base import Choice, RequestView, WorkerView
+from policies.base import WorkerView
 from policies.cache_aware import CacheAware, CacheAwareOptions
 
 
@@ -39,12 +39,13 @@ class KvEvents(CacheAware):
         index, self.feed, budget = precise_index(self.opts, self.name)
         return index, budget
 
-    def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice:
-        self.feed.follow(workers)
-        return super().select(request, workers)
-
     def on_worker_added(self, worker: WorkerView) -> None:
         self.feed.add(worker)
+        super().on_worker_added(worker)
+
+    def on_worker_updated(self, worker: WorkerView) -> None:
+        self.feed.update(worker)
+        super().on_worker_updated(worker)
 
     def on_worker_removed(self, worker: WorkerView) -> None:
         self.feed.remove(worker.url)

@@ -150,6 +150,8 @@ def test_removed_worker_is_forgotten():
 def test_auto_budget_follows_the_fleets_kv_capacity():
     policy = CacheAware(max_tree_size="auto")
     ws = [WorkerView(f"http://127.0.0.1:{8400 + i}", server_info={"max_total_num_tokens": 2_000}) for i in range(4)]
+    for w in ws:
+        policy.on_worker_added(w)
     for i in range(400):  # byte-tokenizer-like engine: one token per character
         request = RequestView(f"r{i}", "/generate", text=f"conversation {i} " + "z" * 300)
         choice = policy.select(request, ws)
@@ -158,6 +160,11 @@ def test_auto_budget_follows_the_fleets_kv_capacity():
     assert stats["index_fleet_capacity_tokens"] == 8_000
     assert 0.9 < stats["index_units_per_token"] < 1.5  # learned down from the BPE default of 4
     assert stats["index_units"] <= 1.5 * 8_000 and stats["index_evicted_units"] > 0
+    # A worker that reports a larger pool, and one that leaves, move the budget at once.
+    policy.on_worker_updated(WorkerView(ws[0].url, server_info={"max_total_num_tokens": 6_000}))
+    assert policy.stats()["index_fleet_capacity_tokens"] == 12_000
+    policy.on_worker_removed(ws[1])
+    assert policy.stats()["index_fleet_capacity_tokens"] == 10_000
     # Without a known capacity the fallback budget holds; the default is that fixed budget.
     assert CacheAware(max_tree_size="auto").stats()["index_budget_units"] == 1 << 24
     assert CacheAware().stats()["index_budget_units"] == 1 << 24

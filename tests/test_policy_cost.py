@@ -202,6 +202,8 @@ def test_temperature_randomizes_between_near_equal_workers():
 def test_precise_index_with_text_fallback_is_counted():
     policy = Cost(index="precise", page_size=4)
     ws = workers(2, server_info={"kv_events": {"endpoint": "tcp://*:5557"}})  # feed never started
+    for w in ws:
+        policy.on_worker_added(w)
     tokens = list(range(64))
     policy.index.precise.apply(ws[1].url, BlockStored(page_hashes(tokens, 4), None, tokens, 4))
     choice = policy.select(RequestView("p", "/generate", token_ids=tokens + [7]), ws)

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from tests.support import (FREE_PORT, assert_predicted_exactly, converse, get_text, metric_value, policy_stats,
-                           request_json, serve)
+from tests.conftest import MODEL
+from tests.support import (FREE_PORT, Proc, assert_predicted_exactly, converse, free_port, get_text, metric_value,
+                           policy_stats, request_json, serve, wait_until)
 
 
 
@@ -117,3 +118,21 @@ def test_cost_learns_the_prefill_speed_from_streamed_first_tokens_only():
                 assert stats["prefill_tokens_per_s"] == 25_000
     finally:
         proc.stop()
+
+
+def test_a_worker_that_comes_up_after_the_gateway_is_subscribed_to_once_healthy(start_gateway):
+    """Registered while nothing answers there: the gateway reads the worker's server_info
+    again when it turns healthy, and the policy subscribes to the publisher it names."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    gw = start_gateway(url, args=("--policy", "kv_events", "--tokenizer", "byte"), ready=False)
+    assert policy_stats(gw.url)["kv_subscribers"] == 0
+    sim = Proc.python("simulator", "serve", "--host", "127.0.0.1", "--port", str(port), "--model-name", MODEL,
+                      "--time-scale", "20", "--kv-events-port", str(free_port()), name="late-sim")
+    try:
+        sim.wait_http(url + "/health", timeout=30)
+        wait_until(lambda: policy_stats(gw.url)["kv_subscribers"] >= 1,
+                   "the gateway never subscribed to the late worker's KV events", timeout=20, proc=gw)
+        assert_predicted_exactly(converse(gw.url, MODEL, conversations=2, turns=2), policy_stats(gw.url))
+    finally:
+        sim.stop()

@@ -349,6 +349,8 @@ PUBLISHING = {"page_size": PS, "kv_events": {"endpoint": "tcp://*:5557", "topic"
 def test_speculative_entries_cover_the_gap_before_events():
     policy = KvEvents(speculative_ttl_s=30)
     ws = [WorkerView(f"http://127.0.0.1:{31000 + i}", server_info=PUBLISHING) for i in range(3)]
+    for w in ws:
+        policy.on_worker_added(w)
     prompt = [9] * 40
     first = policy.select(req(prompt, "a"), ws)
     second = policy.select(req(prompt + [1] * 8, "b"), ws)
@@ -363,6 +365,8 @@ def test_the_text_tree_learns_only_from_the_decisions_it_makes():
     request the tree routes is learned, so its follow-up keeps its worker."""
     policy = KvEvents(speculative_ttl_s=30)
     ws = [WorkerView(f"http://127.0.0.1:{31000 + i}", server_info=PUBLISHING) for i in range(3)]
+    for w in ws:
+        policy.on_worker_added(w)
     text = "a long chat rendered by its template " * 20
     policy.select(req(list(text.encode()), "a", text=text), ws)
     policy.select(req(list((text + "!").encode()), "b", text=text + "!"), ws)
@@ -384,7 +388,7 @@ def test_server_info_that_arrives_after_the_worker_is_picked_up():
         try:
             assert policy.stats()["kv_subscribers"] == 0
             worker = worker.reported(server_info=engine.server_info())  # the gateway's discovery caught up
-            policy.select(req([1] * 8, "x"), [worker])
+            policy.on_worker_updated(worker)
             await engine.wait_subscriber()
             await engine.send(stored(A))
             await until(lambda: hit(policy, worker, A) == 8)
@@ -398,6 +402,8 @@ def test_fleet_without_kv_events_routes_on_the_approximate_index(caplog):
     caplog.set_level(logging.WARNING, logger="kvgate.policies")
     policy = KvEvents()
     ws = [WorkerView(f"http://127.0.0.1:{32000 + i}", server_info={"page_size": PS}) for i in range(3)]
+    for w in ws:
+        policy.on_worker_added(w)
     prompt = "a long shared document " * 30
     first = policy.select(req(list(prompt.encode()), "a", text=prompt), ws)
     second = policy.select(req(list((prompt + "?").encode()), "b", text=prompt + "?"), ws)

@@ -99,6 +99,8 @@ def main() -> None:
         else:
             pol = importlib.import_module(package + ".kv_events").KvEvents(speculative_ttl_s=args.speculative_ttl)
         pol.index.precise = pol.feed.index = index
+        for w in workers:  # announced, as the gateway's registry does before any decision
+            pol.on_worker_added(w)
         return pol
 
     with tempfile.TemporaryDirectory() as tmp:
