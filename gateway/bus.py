@@ -14,7 +14,9 @@ past it, or before the first connection, records are dropped and counted. Connec
 retried in the background for as long as the process runs, and nats-py reconnects an
 established connection by itself (``max_reconnect_attempts=-1``), subscriptions included.
 ``on_state(True)`` follows every (re)connection and ``on_state(False)`` every loss, so
-the owner can say so and resynchronise.
+the owner can say so and resynchronise. Across hosts the bus is a ``tls://`` URL (``tls``:
+the context of ``--state-tls-*``, else the system CAs); a token or user:password in the URL
+is NATS's own authentication, and is kept out of the logs.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import struct
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -41,11 +45,19 @@ def batch_header(n: int) -> bytes:
     return b"\xdd" + struct.pack(">I", n)
 
 
+def redacted(url: str) -> str:
+    """``url`` (servers separated by commas) without the user, password or token in it."""
+    return ",".join(urlsplit(u)._replace(netloc=urlsplit(u).netloc.rpartition("@")[2]).geturl()
+                    for u in url.split(","))
+
+
 class Bus:
     def __init__(self, url: str, subject: str, on_batch: Callable[[bytes], None],
                  on_state: Callable[[bool], None], name: str, pending_bytes: int = 32 << 20,
-                 linger_s: float = 0.002) -> None:
+                 linger_s: float = 0.002, tls: ssl.SSLContext | None = None) -> None:
         self.url, self.subject, self.name = url, subject, name
+        self.shown = redacted(url)  # for logs: no password or token
+        self.tls = tls
         self.on_batch, self.on_state = on_batch, on_state
         self.pending_bytes = pending_bytes
         self.linger_s = linger_s
@@ -57,6 +69,7 @@ class Bus:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._said: set[str] = set()  # the errors warned of since the last connection
 
     def publish(self, record: bytes) -> None:
         self._batch.append(record)
@@ -88,39 +101,47 @@ class Bus:
                     self.url, name=self.name, no_echo=True, allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, connect_timeout=2, ping_interval=5, max_outstanding_pings=2,
                     pending_size=self.pending_bytes, error_cb=self._error, disconnected_cb=self._lost,
-                    reconnected_cb=self._regained)
+                    reconnected_cb=self._regained, **({"tls": self.tls} if self.tls is not None else {}))
             except (NatsError, OSError, asyncio.TimeoutError) as exc:
                 if not warned:
                     log.warning("state bus %s unreachable (%s): routing on this process's state, retrying",
-                                self.url, exc or type(exc).__name__)
+                                self.shown, exc or type(exc).__name__)
                     warned = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
             self._nc = nc
             await nc.subscribe(self.subject, cb=self._received)
-            log.info("state bus connected: %s subject %s", self.url, self.subject)
+            log.info("state bus connected: %s subject %s", self.shown, self.subject)
             self._set(True)
             return
 
     def _set(self, connected: bool) -> None:
         if connected != self.connected:
             self.connected = connected
+            self._said.clear()
             try:
                 self.on_state(connected)
             except Exception:
                 log.exception("state bus listener failed")
 
     async def _error(self, exc: Exception) -> None:
-        log.debug("state bus: %r", exc)
+        """nats-py's errors, including those of an initial connection it keeps retrying (a TLS
+        handshake or authorization the server refuses): each kind said once while not connected."""
+        kind = f"{type(exc).__name__}: {exc}"
+        if self.connected or kind in self._said or len(self._said) >= 8:
+            log.debug("state bus: %s", kind)
+            return
+        self._said.add(kind)
+        log.warning("state bus %s unreachable (%s): routing on this process's state, retrying", self.shown, kind)
 
     async def _lost(self) -> None:
         if not self._stopping:
-            log.warning("state bus %s lost: routing on this process's state until it is back", self.url)
+            log.warning("state bus %s lost: routing on this process's state until it is back", self.shown)
         self._set(False)
 
     async def _regained(self) -> None:
-        log.info("state bus %s back: resynchronising", self.url)
+        log.info("state bus %s back: resynchronising", self.shown)
         self._set(True)
 
     async def _received(self, msg) -> None:

@@ -125,6 +125,10 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     s.add_argument("--worker-ca-file", help="CA bundle that https workers' certificates are verified against")
     s.add_argument("--worker-client-cert-file", help="client certificate shown to workers that require one (mTLS)")
     s.add_argument("--worker-client-key-file", help="its private key (default: in --worker-client-cert-file)")
+    s.add_argument("--state-tls-ca-file", help="CA bundle the state bus's certificate is verified against "
+                                               "(a tls:// --state-url; default: the system's)")
+    s.add_argument("--state-tls-cert-file", help="client certificate shown to a state bus that verifies clients")
+    s.add_argument("--state-tls-key-file", help="its private key (default: in --state-tls-cert-file)")
     k = p.add_argument_group("service discovery (Kubernetes; needs the 'k8s' extra)")
     k.add_argument("--service-discovery", action="store_true", default=None,
                    help="add and remove workers as pods matching the selectors become ready and go away")

@@ -36,16 +36,17 @@ class EmbeddedNats:
     """``with EmbeddedNats() as nats: nats.url`` (``nats://127.0.0.1:PORT``)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = -1, max_payload: int = 8 << 20,
-                 timeout: float = 10.0) -> None:
-        """``port`` -1: one the server picks (a restart may name the last one's)."""
+                 timeout: float = 10.0, conf: str = "", scheme: str = "nats") -> None:
+        """``port`` -1: one the server picks (a restart may name the last one's). ``conf``: more
+        of nats-server's configuration (a ``tls`` or ``authorization`` block); ``scheme`` of ``url``."""
         self._dir = tempfile.TemporaryDirectory(prefix="kvgate-nats-")
-        conf = Path(self._dir.name) / "nats.conf"
-        conf.write_text(f"max_payload: {max_payload}\n")
-        args = [binary(), "-c", str(conf), "-a", host, "-p", str(port), "--ports_file_dir", self._dir.name]
+        conf_file = Path(self._dir.name) / "nats.conf"
+        conf_file.write_text(f"max_payload: {max_payload}\n{conf}\n")
+        args = [binary(), "-c", str(conf_file), "-a", host, "-p", str(port), "--ports_file_dir", self._dir.name]
         self.log = Path(self._dir.name) / "nats.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = f"nats://{host}:{self._port(timeout)}"
+        self.url = f"{scheme}://{host}:{self._port(timeout)}"
 
     def _port(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -73,7 +74,8 @@ class Peers(Local):
     the policy's own hooks; ``apply`` for what peers send (see the module)."""
 
     def __init__(self, url: str, subject: str, policies: Mapping[str, Policy], workers: Mapping[str, Any],
-                 heartbeat_s: float = 1.0, origin: str | None = None, wake_step_s: float = 0.01) -> None:
+                 heartbeat_s: float = 1.0, origin: str | None = None, wake_step_s: float = 0.01,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.origin = origin or new_origin()
         self.policies = policies
         self.workers = workers  # url -> gateway.workers.Worker (the registry's table)
@@ -90,7 +92,7 @@ class Peers(Local):
         self.lag_observe: Callable[[float], None] = lambda _s: None
         from gateway.bus import Bus  # nats-py is imported only by a gateway that shares its state
 
-        self.bus = Bus(url, subject, self.apply, self._state, name=f"kvgate {self.origin}")
+        self.bus = Bus(url, subject, self.apply, self._state, name=f"kvgate {self.origin}", tls=tls)
         self._timer: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -12,6 +12,10 @@ Surfaces and their states:
   engine's cache, SGLang's ``/abort_request`` can abort every request (``abort_all``), and the
   worker list shows the internal addresses and their errors.
 - ``metrics``: ``/metrics``; ``open`` unless ``--protect-metrics`` with a key configured.
+- ``state_bus``: the NATS bus a group shares routing state on: ``off`` (none), ``loopback``,
+  ``tls``, ``mtls`` (a client certificate too), or ``plain``: on another host without TLS,
+  where routing records and rate-limit spends travel readable and anyone who reaches the bus
+  can forge them. ``plain`` raises the line to a WARNING.
 
 The line is a WARNING when the bind is not loopback and any surface is ``open``; else INFO.
 TLS is named but does not raise the level: it is often ended in front of the gateway.
@@ -24,6 +28,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.errors import GatewayError
 
@@ -48,6 +53,18 @@ def is_loopback_host(host: str | None) -> bool:
     return _loopback(addr)
 
 
+def state_bus_mode(cfg: Any) -> str:
+    """``state_bus`` of the posture, from ``--state-url`` and the ``--state-tls-*`` options."""
+    if not getattr(cfg, "state_url", None):
+        return "off"
+    url = urlsplit(cfg.state_url.split(",")[0])
+    if cfg.state_tls_cert_file:
+        return "mtls"
+    if url.scheme == "tls" or cfg.state_tls_ca_file:
+        return "tls"
+    return "loopback" if is_loopback_host(url.hostname) else "plain"
+
+
 def _loopback(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     mapped = getattr(addr, "ipv4_mapped", None)
     return addr.is_loopback or (mapped is not None and mapped.is_loopback)
@@ -64,6 +81,7 @@ class Posture:
     metrics: str
     worker_tls: str  # off | verify | mtls
     worker_allow: str  # "any" or "N entries"
+    state_bus: str = "off"  # off | loopback | tls | mtls | plain
 
     @classmethod
     def of(cls, cfg: Any, worker_tls: str = "off", worker_allow: str = "any",
@@ -75,7 +93,7 @@ class Posture:
         return cls(bind=cfg.host or "*", exposed=exposed, tls=bool(cfg.tls_cert_file),
                    data="key" if cfg.api_keys else "open", admin=admin, membership=admin,
                    metrics="key" if cfg.protect_metrics and admin_keys else "open",
-                   worker_tls=worker_tls, worker_allow=worker_allow)
+                   worker_tls=worker_tls, worker_allow=worker_allow, state_bus=state_bus_mode(cfg))
 
     @property
     def open_surfaces(self) -> list[str]:
@@ -87,21 +105,26 @@ class Posture:
 
     @property
     def level(self) -> int:
+        if self.state_bus == "plain":
+            return logging.WARNING
         return logging.WARNING if self.exposed and self.open_surfaces else logging.INFO
 
     def labels(self) -> dict[str, str]:
         return {"bind": "exposed" if self.exposed else "loopback", "tls": "on" if self.tls else "off",
                 "data": self.data, "admin": self.admin, "membership": self.membership, "metrics": self.metrics,
-                "worker_tls": self.worker_tls, "worker_allow": self.worker_allow}
+                "worker_tls": self.worker_tls, "worker_allow": self.worker_allow, "state_bus": self.state_bus}
 
     def line(self) -> str:
         open_ = ",".join(self.open_surfaces) or "none"
         text = (f"security posture: bind={self.bind} ({'exposed' if self.exposed else 'loopback'}) "
                 f"tls={'on' if self.tls else 'off'} data={self.data} admin={self.admin} "
                 f"membership={self.membership} metrics={self.metrics} worker_tls={self.worker_tls} "
-                f"worker_allow={self.worker_allow.replace(' ', '_')} open_without_credential={open_}")
+                f"worker_allow={self.worker_allow.replace(' ', '_')} state_bus={self.state_bus} "
+                f"open_without_credential={open_}")
         if self.refuses_admin:
             text += " (admin routes answer 403: set --admin-api-key, or --allow-open-admin)"
+        if self.state_bus == "plain":
+            text += " (the state bus is on another host without TLS: give a tls:// --state-url)"
         return text
 
     def announce(self) -> None:

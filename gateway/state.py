@@ -22,7 +22,7 @@ from gateway.posture import Posture
 from gateway.process_metrics import ProcessCollector
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
-from gateway.tls import TlsContexts
+from gateway.tls import TlsContexts, state_bus_context
 from gateway.upstream import make_session
 from gateway.worker_policy import WorkerGate, WorkerUrlPolicy
 from gateway.workers import WorkerRegistry
@@ -104,7 +104,7 @@ class GatewayState:
         peers: Local = ALONE
         if cfg.state_url:  # one of a group: share routing records on the bus
             self.peers = Peers(cfg.state_url, cfg.state_subject, self.policies, self.registry.workers,
-                               cfg.state_heartbeat_secs)
+                               cfg.state_heartbeat_secs, tls=state_bus_context(cfg))
             if any(p.shares_routing for p in self.policies.values()):
                 peers = self.peers
             self.metrics.watch_peers(self.peers)

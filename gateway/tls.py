@@ -28,7 +28,25 @@ def tls_problem(cfg: Any) -> str | None:
         return "--tls-key-file needs --tls-cert-file"
     if cfg.worker_client_key_file and not cfg.worker_client_cert_file:
         return "--worker-client-key-file needs --worker-client-cert-file"
+    if cfg.state_tls_key_file and not cfg.state_tls_cert_file:
+        return "--state-tls-key-file needs --state-tls-cert-file"
+    if (cfg.state_tls_ca_file or cfg.state_tls_cert_file) and not cfg.state_url:
+        return "--state-tls-* options need --state-url"
     return None
+
+
+def state_bus_context(cfg: Any) -> ssl.SSLContext | None:
+    """The client context for the state bus (None: nats-py's default, the system CAs, when the
+    server asks for TLS). Its hostname checking stays on: the bus's certificate names its host."""
+    if not (cfg.state_tls_ca_file or cfg.state_tls_cert_file):
+        return None
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.state_tls_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load --state-tls-ca-file {cfg.state_tls_ca_file}: {exc}") from None
+    if cfg.state_tls_cert_file:
+        _load_pair(ctx, cfg.state_tls_cert_file, cfg.state_tls_key_file)
+    return ctx
 
 
 def _load_pair(ctx: ssl.SSLContext, cert: str, key: str | None) -> None:
