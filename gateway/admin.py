@@ -50,6 +50,8 @@ async def add_worker(request: web.Request) -> web.Response:
         raise GatewayError(409, str(exc), code="worker_exists") from None
     except WorkerRefused as exc:  # by --worker-url-allow or the ranges always refused (gateway.worker_policy)
         raise GatewayError(403, str(exc), code="worker_url_refused", param="url") from None
+    if state.membership is not None:
+        state.membership.added(worker.spec)
     return web.Response(status=201, body=_json(worker.describe()), content_type="application/json")
 
 
@@ -60,6 +62,8 @@ async def remove_worker(request: web.Request) -> web.Response:
         worker = state.registry.remove(url)
     except KeyError:
         raise GatewayError(404, f"no worker {url!r}", code="worker_not_found") from None
+    if state.membership is not None:
+        state.membership.removed(worker.url)
     return web.Response(body=_json(worker.describe()), content_type="application/json")
 
 

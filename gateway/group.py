@@ -52,6 +52,16 @@ def in_group() -> bool:
     return INDEX_ENV in os.environ
 
 
+def share(total: int) -> int:
+    """This member's part of a limit the configuration gives the whole group (admission's
+    concurrency and queue): the kernel spreads connections evenly over the members, so equal
+    parts that add up to ``total`` hold it. 0 (no limit) stays 0; each part is at least 1."""
+    size = int(os.environ.get(SIZE_ENV, "1"))
+    if total <= 0 or size <= 1:
+        return total
+    return max(total // size + (1 if process_index() < total % size else 0), 1)
+
+
 def metrics_dir() -> str | None:
     """The group's prometheus-client multiprocess directory, when this process is a member."""
     return os.environ.get(METRICS_DIR_ENV) if in_group() else None

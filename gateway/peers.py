@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.records import (Alive, Completed, FirstToken, Hello, Owned, Routed, Spent, Used, decode_batch, encode,
+from gateway.records import (Alive, Completed, FirstToken, Hello, Member, Owned, Routed, Spent, Used, decode_batch, encode,
                              outcome_of, peer_view, request_fields)
 from index.views import Outcome, RequestView, WorkerView
 from policies.base import Policy
@@ -85,6 +85,7 @@ class Peers(Local):
         self.charge: Callable[[str], None] | None = None  # debits a client's rate-limit bucket
         self.use: Callable[[str, int, int], None] | None = None  # debits a tenant's budgets (requests, tokens)
         self.learn_owner: Callable[[str, str], None] | None = None  # a Responses object's worker
+        self.membership: Any = None  # gateway.membership.SharedMembership: admin changes are the group's
         self.mine: dict[str, _Request] = {}  # rid -> what this process has in flight
         self.theirs: dict[str, dict[str, _Request]] = {}  # origin -> rid -> a peer's in flight
         self.heard: dict[str, float] = {}  # origin -> monotonic time of its last record
@@ -145,7 +146,10 @@ class Peers(Local):
         self.bus.publish(encode(Owned(self.origin, time.time(), response_id, url)))
 
     def _resend(self) -> None:
-        """Everything in flight here, again (a peer joined or this process reconnected)."""
+        """Everything in flight here, again (a peer joined or this process reconnected), and
+        the fleet's admin changes."""
+        if self.membership is not None:
+            self.membership.resend()
         for rid, mine in self.mine.items():
             for i, (role, leg) in enumerate(mine.legs.items()):
                 self._routed(mine.view, role, leg.url, leg.cached, i == 0, leg.first_token)
@@ -200,6 +204,8 @@ class Peers(Local):
                 self.charged += 1
             elif kind is Owned and self.learn_owner is not None:
                 self.learn_owner(record.response_id, record.url)
+            elif kind is Member and self.membership is not None:
+                self.membership.apply(record)
 
     def _worker(self, role: str, url: str) -> tuple[Policy, Any] | None:
         worker = self.workers.get(url)

@@ -9,7 +9,8 @@ says every second which requests its origin still has in flight, ``Hello`` asks 
 peer to send its in-flight requests again (a process that joined or reconnected), and
 ``Spent`` charges a client's rate-limit bucket everywhere, ``Used`` a tenant's request
 and token budgets (``gateway.budgets``), ``Owned`` names the worker that stores a
-Responses object. Seconds are ``time.time()`` at the origin, for the lag metric only.
+Responses object, ``Member`` a worker added or removed through an admin route
+(``gateway.membership``). Seconds are ``time.time()`` at the origin, for the lag metric only.
 """
 
 from __future__ import annotations
@@ -94,7 +95,17 @@ class Used(msgspec.Struct, tag=8, array_like=True):
     tokens: int = 0
 
 
-Record = Routed | FirstToken | Completed | Alive | Hello | Spent | Owned | Used
+class Member(msgspec.Struct, tag=9, array_like=True):
+    origin: str
+    sent: float
+    url: str
+    present: bool  # added (True) or removed (False) through an admin route
+    role: str = "unified"
+    bootstrap_port: int | None = None
+    api_key: str | None = None  # the worker's own key, for the peers that will call it
+
+
+Record = Routed | FirstToken | Completed | Alive | Hello | Spent | Owned | Used | Member
 encode = msgspec.msgpack.Encoder().encode
 decode_batch = msgspec.msgpack.Decoder(list[Record]).decode
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -15,6 +16,7 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.drain import Drain
 from gateway.encoding import PromptEncoder
+from gateway.membership import SharedMembership
 from gateway.metrics import GatewayMetrics
 from gateway.pd import Pairs, pd_policies
 from gateway.peers import ALONE, Local, Peers
@@ -42,8 +44,10 @@ class GatewayState:
         self.process_index = group.process_index()  # slot in a process group (gateway.group); 0 alone
         self.metrics = GatewayMetrics()
         self.qos = _qos(cfg, self.metrics)  # multi-tenant QoS (gateway.qos); None without a tenants file
-        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs) \
-            if self.qos is None else self.qos.admission(cfg)
+        limits = replace(cfg, max_concurrent_requests=group.share(cfg.max_concurrent_requests),
+                         queue_size=group.share(cfg.queue_size))  # the group's, split over its members
+        self.admission = Admission(limits.max_concurrent_requests, limits.queue_size, cfg.queue_timeout_secs) \
+            if self.qos is None else self.qos.admission(limits)
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template, int(cfg.tokenize_cache_mb * (1 << 20)))
         self.encoder = PromptEncoder(tokenizer, cfg.tokenize_inline_chars) if tokenizer is not None else None
         # One policy per worker role: unified workers use the main policy; in PD mode the
@@ -75,6 +79,7 @@ class GatewayState:
         self.session = None  # created on startup, inside the running loop
         self._checks: dict[str, asyncio.Task] = {}  # tokenizer checks in flight, by worker url
         self.peers: Peers | None = None
+        self.membership: SharedMembership | None = None  # with peers: admin changes to the fleet are the group's
         self.routing_peers: Local = ALONE
         self.discovery: Any = None  # gateway.discovery.PodDiscovery with --service-discovery
         self.registry: WorkerRegistry
@@ -144,6 +149,8 @@ class GatewayState:
             await self.discovery.start()
         if self.peers is not None:  # after the workers: a peer's records name them
             self.peers.freed = self.proxy.attempts.freed
+            self.membership = self.peers.membership = SharedMembership(self.registry, self.peers.bus.publish,
+                                                                       self.peers.origin)
             await self.peers.start()
 
     async def stop(self) -> None:
@@ -151,6 +158,8 @@ class GatewayState:
             self.metrics.group.stop()
         if self.peers is not None:
             await self.peers.stop()
+        if self.membership is not None:
+            await self.membership.stop()
         for task in list(self._checks.values()):
             task.cancel()
         if self.discovery is not None:

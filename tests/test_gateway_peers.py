@@ -159,3 +159,23 @@ def test_every_replica_hears_the_engines_kv_events_itself(start_sim, start_gatew
     # but the prompt's last token, which the index does not subtract for a repeated prompt
     predicted, actual = stats["hit_predicted_tokens_total"], stats["hit_actual_tokens_total"]
     assert 0 < actual <= predicted <= actual + 64 * len(again), (predicted, actual)
+
+
+def listed(gw) -> set[str]:
+    return {w["url"] for w in request_json("GET", gw.url + "/workers")[1]["workers"]}
+
+
+def test_workers_added_or_removed_at_one_replica_are_the_groups(start_sim, start_gateway, sims, nats):
+    a, b = replica(start_gateway, sims[:1], nats), replica(start_gateway, sims[:1], nats)
+    wait_for(lambda: state(b, "kvgate_state_peers") >= 1 and state(a, "kvgate_state_peers") >= 1,
+             why="a and b hear each other")
+    status, _ = request_json("POST", a.url + "/workers", {"url": sims[1]})
+    assert status == 201
+    wait_for(lambda: sims[1] in listed(b), why="b adds the worker added at a")
+    late = replica(start_gateway, sims[:1], nats)  # joins after the change: learns it on its Hello
+    wait_for(lambda: listed(late) == set(sims), why="a replica started later adds it too")
+    status, _ = request_json("DELETE", b.url + f"/workers?url={sims[0]}")  # one the configuration named
+    assert status == 200
+    for gw in (a, late):
+        wait_for(lambda gw=gw: listed(gw) == {sims[1]}, why="every replica removes the worker removed at b")
+    assert one(late) == 200 and state(late, "kvgate_routed_total", worker=sims[1]) == 1

@@ -290,6 +290,18 @@ def test_processes_flag_takes_a_positive_count_or_auto(value):
     assert GatewayConfig(processes="3").processes == 3
 
 
+def test_the_groups_admission_limits_are_split_over_its_members(monkeypatch):
+    from gateway import group
+
+    assert group.share(10) == 10  # alone: the whole limit
+    monkeypatch.setenv(group.SIZE_ENV, "3")
+    parts = {}
+    for index in range(3):
+        monkeypatch.setenv(group.INDEX_ENV, str(index))
+        parts[index] = (group.share(10), group.share(0), group.share(2))
+    assert parts == {0: (4, 0, 1), 1: (3, 0, 1), 2: (3, 0, 1)}  # 0: unlimited; a part is at least 1
+
+
 def test_members_share_bookings_so_a_burst_does_not_herd(start_sim):
     """Each member counts what the other routed (the group's embedded state bus): four long
     streams through two members land two on each worker, whichever member took each."""
