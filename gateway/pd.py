@@ -8,7 +8,8 @@ the client gets decode's answer, streamed as soon as decode sends it.
 Failure rule, stricter than the anchor: whichever leg fails first, the other is aborted
 at once (its HTTP call cancelled and ``/abort_request`` sent with its rid), so decode is
 never left waiting for a room that will not come. Before the first byte reaches the
-client, a failure picks a new pair and a new room.
+client, a failure picks a new pair and a new room; after it, a decode that fails is
+followed by a continuation on a new pair and room (``gateway.migration``).
 """
 
 from __future__ import annotations

@@ -367,7 +367,8 @@ async def relay(request: web.Request, view: RequestView, worker: Worker, upstrea
         failed(worker, "mid_stream", failure, metrics)
         outcome = Outcome(ok=False, status=502, error=failure)
         if sink is not None and sink.resumable:
-            return Broken(response, sink, "health" if not worker.view.healthy else cause or "reset"), outcome
+            cause = "removed" if worker.draining else "health" if not worker.view.healthy else cause or "reset"
+            return Broken(response, sink, cause), outcome
         try:
             await response.write(sse_error_frame(f"upstream {worker.url} failed mid-stream: {failure}"))
             await response.write_eof()

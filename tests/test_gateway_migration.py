@@ -97,6 +97,24 @@ def test_hang_mid_stream_times_out_and_continues(start_sim, start_gateway):
     victim.kill()  # its hung handler never ends
 
 
+def test_a_worker_removed_mid_stream_hands_its_streams_over(start_sim, start_gateway):
+    """Removing a worker (as health loss does) cuts its streams at once: they continue elsewhere."""
+    slow = start_sim("--time-scale", "1", name="slow")
+    healthy = start_sim("--time-scale", "20", name="healthy")
+    gw = start_gateway(slow.url, healthy.url, args=("--policy", "round_robin"))
+    body = {**GENERATE, "sampling_params": {"max_new_tokens": 300, "sampling_seed": 9}}
+    _, whole = request_json("POST", healthy.url + "/generate", body)
+
+    def remove(n: int) -> None:
+        if n == 3:
+            assert request_json("POST", gw.url + "/remove_worker?url=" + slow.url)[0] == 200
+
+    raw = asyncio.run(_stream(gw.url + "/generate", {**body, "stream": True}, on_chunk=remove))
+    events, done = events_of(raw)
+    assert done == 1 and events[-1]["output_ids"] == whole["output_ids"]
+    assert migrations(gw.url, cause="removed") == 1
+
+
 def test_migration_limit_zero_ends_with_the_error_event(start_sim, start_gateway):
     _, _, gw = unified(start_sim, start_gateway, "crash", "--migration-limit", "0")
     events, done = stream(gw.url, "/generate", GENERATE)
