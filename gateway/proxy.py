@@ -4,8 +4,8 @@ Retries pick another worker only while nothing has reached the client: the first
 of a stream is read from upstream *before* the client's headers are sent, so a worker
 that dies before its first token costs a retry, not an error. A stream that breaks after
 that is finished by another worker (``gateway.migration``, docs/migration.md); one that
-may not migrate (migration off, a batch, a stream past the record's size) ends with one
-valid JSON error event and ``[DONE]``. The retry loop itself is ``gateway.attempts``,
+may not migrate (migration off, a batch, ``n`` > 1) ends with one valid JSON error event
+and ``[DONE]``. The retry loop itself is ``gateway.attempts``,
 shared with PD mode (``gateway.pd``); here are what one attempt on one worker does
 (``Unified``) and the relay of a response both modes use.
 """

@@ -3,8 +3,10 @@
 A stream that may migrate (``gateway.migration``) passes through a sink on its way to the
 client. The first worker's events go through a ``Record``: it cuts the bytes at event
 boundaries, withholds an engine's error event (the stream is broken there, not over), notes
-``[DONE]`` and keeps the raw events, unparsed, up to ``RECORD_LIMIT`` bytes. Only when the
-stream breaks are they read back into a ``Transcript``: the hot path parses nothing.
+``[DONE]`` and keeps the raw events, unparsed. Only when the stream breaks are they read back
+into a ``Transcript``, so a stream parses nothing on its way; one whose kept events pass
+``FOLD_BYTES`` has them read into its transcript then and dropped, so that a long stream
+costs a transcript's memory (its text and ids), not its events'.
 
 A ``Transcript`` is the answer so far in the client's terms: its id, its text, its output
 token ids (``/generate`` streams them; a completion carries them where the gateway asked
@@ -21,7 +23,7 @@ import msgspec
 
 from gateway.request import CHAT, COMPLETIONS, GENERATE
 
-RECORD_LIMIT = 8 << 20  # a longer stream is not kept: it ends with an error event if it breaks
+FOLD_BYTES = 256 << 10
 _DONE = b"data: [DONE]\n\n"
 _ERROR = b'data: {"error"'
 _ID_KEYS = (b'"token_ids":[', b'"prompt_token_ids":[')
@@ -132,14 +134,15 @@ class Transcript:
 class Record:
     """The first worker's stream: complete events to the client, raw events kept."""
 
-    __slots__ = ("route", "strip_ids", "chunks", "size", "buf", "done", "response", "watch")
+    __slots__ = ("route", "strip_ids", "chunks", "size", "buf", "done", "response", "watch", "t")
 
     def __init__(self, route: str, strip_ids: bool, watch: Callable[[str, Any], Callable[[], None]]) -> None:
         self.watch = watch  # (worker url, upstream response) -> forget it: see Migration.watch
         self.route = route
         self.strip_ids = strip_ids  # the gateway asked for return_token_ids; the client did not
-        self.chunks: list[bytes] | None = []
+        self.chunks: list[bytes] = []
         self.size = 0
+        self.t = Transcript(route)  # what the events folded so far said
         self.buf = b""
         self.done = False  # [DONE] came
         self.response: Any = None  # the client's response, once prepared
@@ -154,24 +157,25 @@ class Record:
             out, self.buf = out[:err], b""
         elif out.endswith(_DONE):
             self.done = True
-        if self.chunks is not None:
-            self.size += len(out)
-            if self.size > RECORD_LIMIT:
-                self.chunks = None
-            else:
-                self.chunks.append(out)
+        self.chunks.append(out)
+        self.size += len(out)
+        if self.size > FOLD_BYTES:
+            self._fold()
         return (null_ids(out) if self.strip_ids else out), err >= 0
 
     @property
     def resumable(self) -> bool:
-        return self.chunks is not None and self.response is not None
+        return self.response is not None
+
+    def _fold(self) -> None:
+        for ev in json_events(b"".join(self.chunks)):
+            self.t.apply(ev)
+        self.chunks, self.size = [], 0
 
     def transcript(self) -> Transcript:
-        t = Transcript(self.route)
-        for ev in json_events(b"".join(self.chunks or ())):
-            t.apply(ev)
-        return t
+        self._fold()
+        return self.t
 
 
-__all__ = ["CHAT", "COMPLETIONS", "GENERATE", "RECORD_LIMIT", "Record", "Transcript", "error_at", "json_events",
+__all__ = ["CHAT", "COMPLETIONS", "GENERATE", "FOLD_BYTES", "Record", "Transcript", "error_at", "json_events",
            "null_ids", "split_events"]

@@ -180,3 +180,28 @@ def test_pd_decode_death_mid_stream_repairs_and_continues():
     finally:
         for p in procs:
             p.stop()
+
+
+def test_record_cuts_at_events_withholds_an_error_event_and_folds_long_streams():
+    """The record on a stream's way: only whole events go out, an engine's error event is
+    withheld, and a stream longer than FOLD_BYTES is read as it goes with the same transcript."""
+    from gateway.stream_record import FOLD_BYTES, Record
+
+    n = FOLD_BYTES // 150 * 2
+    events = b"".join(b'data: {"id":"c1","created":5,"choices":[{"index":0,"text":"%s","token_ids":[%d],'
+                      b'"prompt_token_ids":%s}]}\n\n' % (b"ab"[i % 2:i % 2 + 1], i, b"[1,2]" if i == 0 else b"null")
+                      for i in range(n))
+    stream = events + b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n'
+    record, sent, broke = Record("/v1/completions", True, lambda url, up: lambda: None), [], False
+    for at in range(0, len(stream), 997):
+        out, broke = record.take(stream[at:at + 997])
+        sent.append(out)
+        if broke:
+            break
+    assert broke and not record.done
+    client = b"".join(sent)
+    assert client.count(b"\n\n") == n and b"error" not in client and b'"token_ids":[' not in client
+    assert client.count(b'"token_ids":null') == n and client.count(b'"prompt_token_ids":null') == n
+    t = record.transcript()
+    assert t.text == "ab" * (n // 2) and t.ids == list(range(n)) and t.prompt_ids == [1, 2]
+    assert t.tokens == n and t.id == "c1" and t.created == 5
