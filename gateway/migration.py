@@ -123,7 +123,8 @@ class Resume:
             ev["created"] = p.created
         choices = ev.get("choices") or []
         for choice in choices:
-            choice.pop("prompt_token_ids", None)
+            if "prompt_token_ids" in choice:  # the first event had them
+                choice["prompt_token_ids"] = None
             delta = choice.get("delta")
             if isinstance(delta, dict) and delta.pop("role", None) is not None and self.first:
                 self.first = False

@@ -205,3 +205,32 @@ def test_record_cuts_at_events_withholds_an_error_event_and_folds_long_streams()
     t = record.transcript()
     assert t.text == "ab" * (n // 2) and t.ids == list(range(n)) and t.prompt_ids == [1, 2]
     assert t.tokens == n and t.id == "c1" and t.created == 5
+
+
+def test_continuation_goes_where_the_policy_finds_its_prefix(start_sim, start_gateway):
+    """The continuation is chosen by the policy on the prompt plus the output so far: with the
+    worker that held the most of it gone, cost picks the one that holds a part (its KV events
+    say so), not the cold one, and that engine reports the hit."""
+    from tests.support import policy_stats
+
+    page = 64
+    prompt = [(i * 13) % 200 + 30 for i in range(6 * page)]
+    args = ("--time-scale", "20", "--page-size", str(page), "--kv-events-port", FREE_PORT)
+    holder = start_sim(*args, "--fault-mid-stream", "crash", "--fault-mid-stream-after", "6", name="holder")
+    part = start_sim(*args, name="part")
+    cold = start_sim(*args, name="cold")
+    gw = start_gateway(holder.url, part.url, cold.url, args=("--policy", "cost", "--tokenizer", "byte"))
+    for worker, ids in ((holder, prompt), (part, prompt[:4 * page])):
+        assert request_json("POST", worker.url + "/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 1}})[0] == 200
+    wait_until(lambda: policy_stats(gw.url).get("index_blocks", 0) >= 6, "the gateway's index hears the warm-ups")
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40, "sampling_seed": 2}}
+    part_cached = metric_value(get_text(part.url + "/metrics"), "sglang:cached_tokens_total")
+    events, done = stream(gw.url, "/generate", body)
+    assert done == 1 and holder.popen.wait(10) == 17 and migrations(gw.url) == 1
+    routed = get_text(gw.url + "/metrics")
+    assert metric_value(routed, "kvgate_routed_total", worker=part.url) == 1
+    assert metric_value(routed, "kvgate_routed_total", worker=cold.url) == 0
+    assert metric_value(get_text(part.url + "/metrics"), "sglang:cached_tokens_total") - part_cached >= 4 * page
+    _, whole = request_json("POST", cold.url + "/generate", body)  # last: it leaves the prompt cached there
+    assert events[-1]["output_ids"] == whole["output_ids"]
