@@ -240,6 +240,7 @@ class SimCluster:
                 self._wait_ready([w], deadline)
                 return
             except _PortTaken:
+                w.stop()
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)

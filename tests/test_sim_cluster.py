@@ -135,3 +135,32 @@ def test_a_killed_worker_restarts_on_its_ports_once_they_are_free_again():
         log = c.log_paths[0]
         assert len(c.log_paths) == 2 and not log.name.endswith(".r1.log")  # tried again
         assert bind_failed(log.with_name(log.name.split(".")[0] + ".r1.log").read_text())
+
+
+def test_a_test_process_whose_port_is_taken_starts_again_on_another(monkeypatch):
+    """tests.support.launch: a child that exits on a bind error is started again on new
+    ports (its output is read after it was stopped)."""
+    import socket
+
+    import tests.support as support
+    from tests.sim_support import spawn_sim
+
+    squat = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squat.bind(("127.0.0.1", 0))
+    squat.listen()
+    real, picks = support.free_port, []
+
+    def pick() -> int:
+        picks.append(real() if picks else squat.getsockname()[1])
+        return picks[-1]
+
+    monkeypatch.setattr(support, "free_port", pick)
+    try:
+        proc = spawn_sim("--time-scale", "20")
+        try:
+            assert len(picks) == 2 and proc.url.endswith(f":{picks[1]}")
+            assert http_status(proc.url + "/health") == 200
+        finally:
+            proc.stop()
+    finally:
+        squat.close()
