@@ -84,7 +84,7 @@ class Failure:
 class Broken:
     """A stream that broke after its first chunk reached the client: ``response`` is the
     client's, open; ``sink`` holds what the client has had (``gateway.stream_record``);
-    ``cause`` says what broke it (reset, timeout, eof, error_event, health)."""
+    ``cause`` says what broke it (reset, timeout, eof, error_event, health, removed)."""
 
     response: web.StreamResponse
     sink: Any

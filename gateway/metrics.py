@@ -96,7 +96,7 @@ class GatewayMetrics:
         self.upstream_errors = Counter("kvgate_upstream_errors_total", "Upstream failures", ["worker", "kind"], registry=r)
         self.retries = Counter("kvgate_retries_total", "Requests re-sent to another worker before the first byte", registry=r)
         self.migrations = Counter("kvgate_migrations_total", "Continuations of streams that broke after their first "
-                                  "byte, by what broke them (reset, eof, timeout, error_event, health, ...)",
+                                  "byte, by what broke them (reset, eof, timeout, error_event, health, removed, ...)",
                                   ["cause"], registry=r)
         self.migrations_failed = Counter("kvgate_migrations_failed_total", "Broken streams that could not be "
                                          "finished (limit reached, no worker, refused): they end in an error event",
