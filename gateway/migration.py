@@ -280,6 +280,9 @@ class Migration:
             if not t.usable:
                 problem += "; a tool call or reasoning part cannot be continued"
                 break
+            if t.route == COMPLETIONS and t.text and not t.ids:  # an engine without return_token_ids
+                problem += "; the engine sent no token ids to continue from"
+                break
             self.metrics.migrations.labels(cause).inc()
             if t.route == CHAT:
                 t.tokens = await self.count(view.model, t)
