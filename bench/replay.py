@@ -50,6 +50,7 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     worker: str = ""
+    max_gap_s: float = 0.0  # longest wait between two events after the first content (a stall)
 
 
 @dataclass
@@ -124,6 +125,7 @@ async def _one(session: aiohttp.ClientSession, base: str, api: str, row: Request
             if resp.status != 200:
                 row.error = (await resp.text())[:300]
                 return
+            last = None
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -136,6 +138,11 @@ async def _one(session: aiohttp.ClientSession, base: str, api: str, row: Request
                     row.error = str(ev["error"])[:300]
                     return
                 _absorb(api, ev, row, t0)
+                if row.ttft_s is not None:
+                    now = time.monotonic()
+                    if last is not None and now - last > row.max_gap_s:
+                        row.max_gap_s = now - last
+                    last = now
         row.e2e_s = time.monotonic() - t0
         if row.ttft_s is not None and row.completion_tokens > 1:
             row.tpot_s = (row.e2e_s - row.ttft_s) / (row.completion_tokens - 1)

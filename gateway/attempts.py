@@ -6,7 +6,9 @@ prefill/decode pair (``gateway.pd.Pairs``). A target chooses through the policy,
 engine requests, and answers the client's response or a ``Failure``. Retries happen only
 while nothing has reached the client: a target answers a response once the client's
 headers are sent (a stream's after its first chunk came), so a failure before that costs a
-retry and one after it is the stream's own business (one JSON error event and ``[DONE]``).
+retry. A stream that breaks after it is answered ``Broken``, and ``gateway.migration``
+finishes it on other workers (or, where it may not, it ends with one JSON error event and
+``[DONE]``).
 
 Holding (late binding) lives here too: only a first choice may be held, since a retry has
 waited already.
@@ -19,17 +21,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from aiohttp import web
 
 from gateway.errors import GatewayError
 from gateway.hold import HoldRoom
 from gateway.metrics import GatewayMetrics
+from gateway.stream_record import Record
 from index.views import RequestView, WorkerView
 from policies.base import Choice, Hold, NoWorkerAvailable, Policy
 
 if TYPE_CHECKING:
+    from gateway.migration import Migration
     from gateway.workers import Worker
 
 log = logging.getLogger("kvgate.proxy")
@@ -74,6 +78,17 @@ class Failure:
     def answered(cls, status: int, body: bytes, content_type: str) -> Failure:
         """An engine's error answer: a 5xx is worth another worker, a 4xx is the request's own."""
         return cls(status, body, content_type.split(";")[0], f"http_{status}", retryable=status >= 500)
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """A stream that broke after its first chunk reached the client: ``response`` is the
+    client's, open; ``sink`` holds what the client has had (``gateway.stream_record``);
+    ``cause`` says what broke it (reset, timeout, eof, error_event, health, removed)."""
+
+    response: web.StreamResponse
+    sink: Any
+    cause: str
 
 
 def failed(worker: Worker, cause: str, detail: str, metrics: GatewayMetrics) -> Failure:
@@ -122,8 +137,10 @@ class Target(Protocol[P]):
     def urls(self, pick: P) -> Sequence[str]: ...
 
     async def attempt(self, request: web.Request, view: RequestView, raw: bytes, body: object, pick: P,
-                      n: int) -> web.StreamResponse | Failure:
-        """Attempt ``n`` (0 first): the client's response, or the failure to retry past."""
+                      n: int, sink: Any = None) -> web.StreamResponse | Failure | Broken:
+        """Attempt ``n`` (0 first): the client's response, or the failure to retry past.
+        ``sink``: where a stream's chunks pass on their way to the client (given only for a
+        stream that may migrate: a ``Record``, or a continuation's ``Resume``)."""
 
     def exhausted(self, view: RequestView, tried: Tried) -> GatewayError:
         """Every attempt failed with no answer worth passing on (not all timed out)."""
@@ -139,6 +156,7 @@ class Attempts(Generic[P]):
     is given ``freed``, to wake held requests when its requests free a worker)."""
 
     target: Target[P]
+    migration: Migration | None = None  # finishes broken streams elsewhere (None: they end in an error event)
 
     def __init__(self, metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0,
                  hold_wake: int = 16) -> None:
@@ -149,6 +167,9 @@ class Attempts(Generic[P]):
     async def run(self, request: web.Request, view: RequestView, raw: bytes, body: object) -> web.StreamResponse:
         target, tried = self.target, Tried()
         last: Failure | None = None
+        migration, migrates, strip_ids = self.migration, False, False
+        if migration is not None:
+            migrates, strip_ids, raw = migration.prepare(view, body, raw)
         for n in range(self.max_retries + 1):
             try:
                 pick, view = await self.choose(view, lambda v: target.decide(v, tried), first=not n)
@@ -158,7 +179,13 @@ class Attempts(Generic[P]):
                 self.metrics.retries.inc()
             urls = target.urls(pick)
             tried.urls.extend(urls)
-            result = await target.attempt(request, view, raw, body, pick, n)
+            if migration is not None and migrates:
+                record = Record(view.route, strip_ids, migration.watch)
+                result = await target.attempt(request, view, raw, body, pick, n, sink=record)
+                if isinstance(result, Broken):
+                    return await migration.resume(self, request, view, raw, result, tried, strip_ids)
+            else:
+                result = await target.attempt(request, view, raw, body, pick, n)
             if not isinstance(result, Failure):
                 return result
             tried.attempts += 1

@@ -81,6 +81,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--request-timeout-secs", type=float, help="upstream silence (no byte) that fails an attempt")
     g.add_argument("--max-payload-size", type=int)
     g.add_argument("--max-retries", type=int)
+    g.add_argument("--migration-limit", type=int,
+                   help="times a stream whose worker fails after its first byte is continued on another worker, "
+                        "the client seeing one answer (default 2; 0: it ends with an error event; docs/migration.md)")
     g.add_argument("--health-check-interval-secs", type=float)
     g.add_argument("--health-check-timeout-secs", type=float)
     g.add_argument("--health-failure-threshold", type=int)

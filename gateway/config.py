@@ -58,6 +58,7 @@ class GatewayConfig:
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 5.0
     max_retries: int = 2
+    migration_limit: int = 2  # continuations of a stream that breaks mid-way (gateway.migration); 0: off
     max_connections_per_worker: int = 0  # 0: unlimited (aiohttp limit_per_host)
     # health and breaker
     health_check_interval_secs: float = 5.0
@@ -117,6 +118,8 @@ class GatewayConfig:
             self.api_keys = list(dict.fromkeys([*self.api_keys, *self.qos.keys]))
         elif self.tenant_header:
             raise ValueError("--tenant-header names tenants of a tenants file: give --tenants-file")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be 0 or more, not {self.migration_limit}")
         problem = tls_problem(self)
         if problem:
             raise ValueError(problem)

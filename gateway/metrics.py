@@ -95,6 +95,14 @@ class GatewayMetrics:
         self.routed = Counter("kvgate_routed_total", "Upstream attempts, by worker", ["worker"], registry=r)
         self.upstream_errors = Counter("kvgate_upstream_errors_total", "Upstream failures", ["worker", "kind"], registry=r)
         self.retries = Counter("kvgate_retries_total", "Requests re-sent to another worker before the first byte", registry=r)
+        self.migrations = Counter("kvgate_migrations_total", "Continuations of streams that broke after their first "
+                                  "byte, by what broke them (reset, eof, timeout, error_event, health, removed, ...)",
+                                  ["cause"], registry=r)
+        self.migrations_failed = Counter("kvgate_migrations_failed_total", "Broken streams that could not be "
+                                         "finished (limit reached, no worker, refused): they end in an error event",
+                                         registry=r)
+        self.migration_resume = Histogram("kvgate_migration_resume_seconds", "From choosing a continuation's worker "
+                                          "to the end of its answer", buckets=_LATENCY, registry=r)
         self.latency = Histogram("kvgate_request_duration_seconds", "Time to the last byte", ["route"], buckets=_LATENCY, registry=r)
         self.ttft = Histogram("kvgate_time_to_first_byte_seconds", "Time to the first streamed byte", ["route"], buckets=_LATENCY, registry=r)
         # in a group each member's count includes its peers' (gateway.peers): the largest is the group's

@@ -8,7 +8,8 @@ the client gets decode's answer, streamed as soon as decode sends it.
 Failure rule, stricter than the anchor: whichever leg fails first, the other is aborted
 at once (its HTTP call cancelled and ``/abort_request`` sent with its rid), so decode is
 never left waiting for a room that will not come. Before the first byte reaches the
-client, a failure picks a new pair and a new room.
+client, a failure picks a new pair and a new room; after it, a decode that fails is
+followed by a continuation on a new pair and room (``gateway.migration``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from gateway.attempts import RETRYABLE_STATUS, Failure, Reply, Tried, failed, refused_hold
+from gateway.attempts import RETRYABLE_STATUS, Broken, Failure, Reply, Tried, failed, refused_hold
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.peers import ALONE, Local
 from gateway.proxy import count_tokens, kind, outcome_from_json, outcome_from_sse_tail, relay, upstream_headers
-from gateway.request import Body
+from gateway.request import Body, splice_fields
 from gateway.workers import Worker, WorkerRegistry
 from index.views import Outcome, RequestView
 from policies.base import Choice, Hold, NoWorkerAvailable, Policy, select_each, selects_pairs
@@ -49,18 +50,6 @@ def batch_size(body: Body) -> int | None:
         if isinstance(field, list) and field and isinstance(field[0], (str, list)):
             return len(field) * n
     return n if n > 1 else None
-
-
-def splice_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
-    """Append keys to a JSON object's bytes. Appended last, they win over any duplicate the
-    client sent (JSON parsers keep the last), and nothing else in the body changes."""
-    end = raw.rstrip()
-    if not end.endswith(b"}"):
-        raise GatewayError(400, "request body must be a JSON object")
-    inner = end[:-1].rstrip()
-    sep = b"" if inner.endswith(b"{") else b","
-    extra = b",".join(_enc(k) + b":" + _enc(v) for k, v in fields.items())
-    return inner + sep + extra + b"}"
 
 
 def wants_logprobs(body: Body) -> bool:
@@ -179,8 +168,10 @@ class Pairs:
                             code="no_worker_available")
 
     async def attempt(self, request: web.Request, view: RequestView, raw: bytes, body: object, pick: _Pick,
-                      n: int) -> web.StreamResponse | Failure:
-        """Attempt ``n``: a new room (and, where the client named none, a new rid) each time."""
+                      n: int, sink: Any = None) -> web.StreamResponse | Failure | Broken:
+        """Attempt ``n``: a new room (and, where the client named none, a new rid) each time;
+        a continuation (``sink``, ``gateway.migration``) is one too, so a decode that dies
+        mid-stream is followed by a fresh pair and room."""
         assert isinstance(body, Body)
         prefill = pick.prefill
         items = batch_size(body)
@@ -195,7 +186,7 @@ class Pairs:
             rid = f"{view.request_id}-{n}"
             fields["rid"] = rid if items is None else [f"{rid}-{i}" for i in range(items)]
             rid = fields["rid"]
-        return await self._attempt_pair(request, view, splice_fields(raw, fields), body, pick, rid)
+        return await self._attempt_pair(request, view, splice_fields(raw, fields), body, pick, rid, sink)
 
     async def _abort(self, worker: Worker, rid: str | list[str]) -> None:
         """Best effort: the engine drops a queued or waiting request by rid."""
@@ -229,7 +220,7 @@ class Pairs:
             raise
 
     async def _attempt_pair(self, request: web.Request, view: RequestView, raw: bytes, body: Body, pick: _Pick,
-                            rid: str | list[str]) -> web.StreamResponse | Failure:
+                            rid: str | list[str], sink: Any = None) -> web.StreamResponse | Failure | Broken:
         prefill, decode, metrics = pick.prefill, pick.decode, self.metrics
         peers = self.peers
         for w, policy, choice in ((prefill, self.prefill_policy, pick.p_choice),
@@ -281,6 +272,8 @@ class Pairs:
             self.freed()
             if first is None:  # non-stream JSON
                 data = await upstream.read()
+                if sink is not None and sink.response is not None:  # a continuation must stream
+                    return Failure.answered(upstream.status, data, upstream.headers.get("Content-Type", ""))
                 if need_prefill:
                     data = _enc(merge_input_logprobs(_dec(data), _dec(p_task.result().body)))
                 decode.breaker.record_success()
@@ -293,7 +286,7 @@ class Pairs:
             if need_prefill:
                 first = _merge_first_event(first, p_task.result().body)
             response, d_outcome = await relay(request, view, decode, upstream, started, self.decode_policy,
-                                              metrics, self.freed, first=first, peers=peers)
+                                              metrics, self.freed, first=first, peers=peers, sink=sink)
             return response
         finally:
             for task in (p_task, d_task):

@@ -2,10 +2,12 @@
 
 Retries pick another worker only while nothing has reached the client: the first chunk
 of a stream is read from upstream *before* the client's headers are sent, so a worker
-that dies before its first token costs a retry, not an error. After that, an upstream
-failure ends the stream with one valid JSON error event and ``[DONE]``. The retry loop
-itself is ``gateway.attempts``, shared with PD mode (``gateway.pd``); here are what one
-attempt on one worker does (``Unified``) and the relay of a response both modes use.
+that dies before its first token costs a retry, not an error. A stream that breaks after
+that is finished by another worker (``gateway.migration``, docs/migration.md); one that
+may not migrate (migration off, a batch, ``n`` > 1) ends with one valid JSON error event
+and ``[DONE]``. The retry loop itself is ``gateway.attempts``,
+shared with PD mode (``gateway.pd``); here are what one attempt on one worker does
+(``Unified``) and the relay of a response both modes use.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from gateway.attempts import RETRYABLE_STATUS, Attempts, Failure, Target, Tried, failed, refused_hold, select
+from gateway.attempts import RETRYABLE_STATUS, Attempts, Broken, Failure, Target, Tried, failed, refused_hold, select
 from gateway.errors import GatewayError, sse_error_frame
 from gateway.hold import HoldRoom
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Migration
 from gateway.peers import ALONE, Local
 from gateway.workers import Worker, WorkerRegistry
 from index.views import Outcome, RequestView
@@ -146,11 +150,13 @@ class Proxy:
     def __init__(self, registry: WorkerRegistry, policy: Policy, session: aiohttp.ClientSession,
                  metrics: GatewayMetrics, max_retries: int, max_hold_s: float = 0.0, hold_wake: int = 16,
                  target: Callable[[Callable[[], None]], Target] | None = None, peers: Local = ALONE,
-                 holds: HoldRoom | None = None) -> None:
+                 holds: HoldRoom | None = None, migration: Migration | None = None) -> None:
         """``target(freed)`` builds what is attempted; ``freed`` wakes held requests.
         ``peers`` hears each request's life next to the policy (``gateway.peers``);
-        ``holds``: a hold room of another order than the default's (``gateway.qos_queues``)."""
+        ``holds``: a hold room of another order than the default's (``gateway.qos_queues``);
+        ``migration``: finishes streams that break (``gateway.migration``)."""
         self.attempts: Attempts = Attempts(metrics, max_retries, max_hold_s, hold_wake)
+        self.attempts.migration = migration
         if holds is not None:
             self.attempts.holds = holds
         make = target or (lambda freed: Unified(registry, policy, session, metrics, freed, peers))
@@ -216,8 +222,8 @@ class Unified:
                             code="no_worker_available")
 
     async def attempt(self, request: web.Request, view: RequestView, raw: bytes, body: object,
-                      pick: tuple[Worker, Choice], n: int) -> web.StreamResponse | Failure:
-        """A response for the client, or the failure to retry past."""
+                      pick: tuple[Worker, Choice], n: int, sink: Any = None) -> web.StreamResponse | Failure | Broken:
+        """A response for the client, the failure to retry past, or a stream that broke."""
         worker, choice = pick
         metrics = self.metrics
         worker.started()
@@ -250,8 +256,11 @@ class Unified:
             if ctype.startswith("text/event-stream"):
                 response, outcome = await relay(request, view, worker, upstream, started, self.policy, metrics,
                                                 self.freed, peers=self.peers,
-                                                tap=make_tap(worker.url, True) if make_tap else None)
+                                                tap=make_tap(worker.url, True) if make_tap else None, sink=sink)
                 return response
+            if sink is not None and sink.response is not None:  # a continuation must stream
+                outcome = Outcome(ok=False, status=upstream.status, error="continuation answered without a stream")
+                return Failure.answered(upstream.status, await upstream.read(), ctype)
             try:
                 data = await upstream.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -282,12 +291,15 @@ class Unified:
 
 async def relay(request: web.Request, view: RequestView, worker: Worker, upstream: aiohttp.ClientResponse,
                 started: float, policy: Policy, metrics: GatewayMetrics, freed: Callable[[], None], *,
-                first: bytes | None = None, peers: Local = ALONE,
-                tap: Callable[[bytes], None] | None = None) -> tuple[web.StreamResponse | Failure, Outcome]:
+                first: bytes | None = None, peers: Local = ALONE, tap: Callable[[bytes], None] | None = None,
+                sink: Any = None) -> tuple[web.StreamResponse | Failure | Broken, Outcome]:
     """Relay an SSE body; ``first`` is a chunk the caller already read (PD merges into it);
     ``tap`` sees each chunk just before the client does.
     A failure before the first chunk is answered as a ``Failure`` (nothing reached the
-    client: the loop may retry); after it, the stream ends with a JSON error event."""
+    client: the loop may retry). ``sink`` (a stream that may migrate, ``gateway.migration``)
+    passes the chunks to the client, holds the client's response once it is prepared (a
+    continuation's was prepared before), and makes a failure after the first chunk a
+    ``Broken`` stream; without it, such a failure ends the stream with a JSON error event."""
     chunks = upstream.content.iter_any()
     if first is None:
         try:
@@ -296,16 +308,21 @@ async def relay(request: web.Request, view: RequestView, worker: Worker, upstrea
             first = b""
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return failed(worker, kind(exc, "stream_start"), repr(exc), metrics), Outcome(ok=False, error=repr(exc))
-    response = web.StreamResponse(status=upstream.status, headers={
-        "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",
-        "X-Request-ID": view.request_id,
-    })
-    await response.prepare(request)
-    metrics.ttft_of(view.route).observe(time.perf_counter() - started)
-    if view.qos is not None:
-        view.qos.first_at = time.perf_counter()
+    if sink is not None and sink.response is not None:
+        response = sink.response
+    else:
+        response = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "X-Request-ID": view.request_id,
+        })
+        await response.prepare(request)
+        metrics.ttft_of(view.route).observe(time.perf_counter() - started)
+        if view.qos is not None:
+            view.qos.first_at = time.perf_counter()
+        if sink is not None:
+            sink.response = response
     policy.on_first_token(view, worker.view)
     peers.first_token(view, worker.view)
     freed()
@@ -313,35 +330,51 @@ async def relay(request: web.Request, view: RequestView, worker: Worker, upstrea
     # re-slicing a 16 KiB tail on every chunk copied ~0.3 MB per 64-chunk stream.
     tail, tail_len = [first], len(first)
     chunk = first
-    failure: str | None = None
-    while True:
-        if chunk:
-            if tap is not None:
-                tap(chunk)
+    failure = cause = None
+    unwatch = sink.watch(worker.url, upstream) if sink is not None else None
+    try:
+        while True:
+            if chunk:
+                out, broke = sink.take(chunk) if sink is not None else (chunk, False)
+                if out:
+                    if tap is not None:
+                        tap(out)
+                    try:
+                        await response.write(out)
+                    except (ConnectionResetError, ConnectionError, RuntimeError):
+                        return response, Outcome(ok=False, status=499, error="client disconnected")
+                if broke:
+                    failure, cause = "the engine sent an error event", "error_event"
+                    break
             try:
-                await response.write(chunk)
-            except (ConnectionResetError, ConnectionError, RuntimeError):
-                return response, Outcome(ok=False, status=499, error="client disconnected")
-        try:
-            chunk = await chunks.__anext__()
-        except StopAsyncIteration:
-            break
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            failure = repr(exc) or type(exc).__name__
-            break
-        tail.append(chunk)
-        tail_len += len(chunk)
-        if tail_len > 2 * _TAIL_BYTES:
-            tail = [b"".join(tail)[-_TAIL_BYTES:]]
-            tail_len = len(tail[0])
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                failure, cause = repr(exc) or type(exc).__name__, kind(exc, "reset")
+                break
+            tail.append(chunk)
+            tail_len += len(chunk)
+            if tail_len > 2 * _TAIL_BYTES:
+                tail = [b"".join(tail)[-_TAIL_BYTES:]]
+                tail_len = len(tail[0])
+    finally:
+        if unwatch is not None:
+            unwatch()
+    if failure is None and sink is not None and not sink.done:
+        failure, cause = "the stream ended before [DONE]", "eof"
     if failure is not None:
         failed(worker, "mid_stream", failure, metrics)
+        outcome = Outcome(ok=False, status=502, error=failure)
+        if sink is not None and sink.resumable:
+            cause = "removed" if worker.draining else "health" if not worker.view.healthy else cause or "reset"
+            return Broken(response, sink, cause), outcome
         try:
             await response.write(sse_error_frame(f"upstream {worker.url} failed mid-stream: {failure}"))
             await response.write_eof()
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
-        return response, Outcome(ok=False, status=502, error=failure)
+        return response, outcome
     worker.breaker.record_success()
     try:
         await response.write_eof()

@@ -53,6 +53,7 @@ class Body(msgspec.Struct):
     logprobs: bool | int | None = None
     return_logprob: bool | list[bool] | None = None
     n: int | None = None
+    return_token_ids: bool = False  # SGLang's: a completion's choices carry their token ids
     priority: Any = None  # SGLang's request priority; a QoS gateway reads it as a class (gateway.qos)
     # (*) one list of ids that read_body read is an array("I") (wire.prefix_ids), not a list
 
@@ -78,6 +79,7 @@ _single = msgspec.json.Decoder(_SingleBody)
 _decoder = msgspec.json.Decoder(Body)
 _marked = msgspec.json.Decoder(_MarkedBody)
 _decode_ids = msgspec.json.Decoder(list[int]).decode
+_enc = msgspec.json.encode
 # No client can send this string: where it lands as the decoded field, the cut was that field.
 _MARK = "kvgate-ids-" + os.urandom(8).hex()
 _MARK_JSON = msgspec.json.encode(_MARK)
@@ -122,6 +124,18 @@ def _decode(raw: bytes) -> tuple[Body, bool]:
         raise GatewayError(400, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:  # malformed past where the typed decoder stopped
         raise GatewayError(400, f"malformed JSON: {exc}") from None
+
+
+def splice_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """Append keys to a JSON object's bytes. Appended last, they win over any duplicate the
+    client sent (JSON parsers keep the last), and nothing else in the body changes."""
+    end = raw.rstrip()
+    if not end.endswith(b"}"):
+        raise GatewayError(400, "request body must be a JSON object")
+    inner = end[:-1].rstrip()
+    sep = b"" if inner.endswith(b"{") else b","
+    extra = b",".join(_enc(k) + b":" + _enc(v) for k, v in fields.items())
+    return inner + sep + extra + b"}"
 
 
 def parse_body(raw: bytes, route: str) -> Body:

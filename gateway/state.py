@@ -18,6 +18,7 @@ from gateway.drain import Drain
 from gateway.encoding import PromptEncoder
 from gateway.membership import SharedMembership
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Migration
 from gateway.pd import Pairs, pd_policies
 from gateway.peers import ALONE, Local, Peers
 from gateway.posture import Posture
@@ -128,9 +129,15 @@ class GatewayState:
                 return Pairs(self.registry, self.policy, self.session, self.metrics, freed,
                              prefill_policy=self.policies["prefill"], decode_policy=self.policies["decode"],
                              peers=peers)
+        migration = None
+        if cfg.migration_limit > 0:
+            tokenizer = self.encoder.tokenizer if self.encoder is not None else None
+            migration = Migration(cfg.migration_limit, self.metrics, (lambda text: tokenizer.encode(
+                text, add_special_tokens=False)) if tokenizer is not None else None, self.registry, self.session)
+            self.registry.listeners.append(migration.on_worker_event)
         self.proxy = Proxy(self.registry, self.policy, self.session, self.metrics, cfg.max_retries,
                            cfg.max_hold_secs, cfg.hold_wake, target=pairs, peers=peers,
-                           holds=self.qos.hold_room(cfg) if self.qos is not None else None)
+                           holds=self.qos.hold_room(cfg) if self.qos is not None else None, migration=migration)
         if self.qos is not None:
             self.qos.watch(self.proxy.holds, self.policies.get("prefill", self.policy),
                            lambda model: self.registry.candidates(model, role="prefill" if cfg.pd_disaggregation

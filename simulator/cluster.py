@@ -145,6 +145,7 @@ class SimCluster:
         self._workers: list[_Worker] = []
         self.pool, self.pool_segment = pool, pool_segment
         self.master = None  # pool_master.MooncakeMaster when pool=True
+        self._env: dict[str, str] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _port(self, offset: int) -> int:
@@ -162,7 +163,7 @@ class SimCluster:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "SimCluster":
-        env = dict(os.environ)
+        env = self._env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["PYTHONUNBUFFERED"] = "1"
         roles = ["prefill"] * self.n_prefill + ["decode"] * self.n_decode + ["unified"] * self.n_unified
@@ -214,9 +215,43 @@ class SimCluster:
                 self.kv_event_endpoints[w.url] = w.kv_endpoint
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        pending = list(self._workers)
+    def kill(self, url: str) -> None:
+        """SIGKILL one worker's process group: a crash, as its clients see it."""
+        w = self._worker(url)
+        try:
+            os.killpg(w.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        w.popen.wait(10)
+
+    def restart(self, url: str, timeout: float = 30.0) -> None:
+        """Start a dead worker again with its own arguments and ports (its clients know its
+        URL). Its ports were free until it died, but any process may take a free port as the
+        local end of a connection meanwhile: a start that cannot bind is tried again, within
+        ``timeout`` seconds in all."""
+        old = self._worker(url)
+        deadline = time.monotonic() + timeout
+        stem = old.log_path.name.split(".")[0]
+        for n in range(1, 1000):
+            w = _Worker(old.role, old.url, old.args, old.log_path.with_name(f"{stem}.r{n}.log"), self._env)
+            w.bootstrap_port, w.kv_endpoint = old.bootstrap_port, old.kv_endpoint
+            self._workers[self._workers.index(old)] = old = w
+            try:
+                self._wait_ready([w], deadline)
+                return
+            except _PortTaken:
+                w.stop()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    def _worker(self, url: str) -> _Worker:
+        return next(w for w in self._workers if w.url == url)
+
+    def _wait_ready(self, workers: list[_Worker] | None = None, deadline: float | None = None) -> None:
+        deadline = deadline or time.monotonic() + self.startup_timeout
+        pending = list(self._workers if workers is None else workers)
         while pending:
             for w in list(pending):
                 if w.popen.poll() is not None:

@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-health-flap-secs", type=float, default=0.0, help="/health alternates 200/503")
     p.add_argument("--fault-transfer-fail-rate", type=float, default=0.0)
     p.add_argument("--fault-hang-rate", type=float, default=0.0, help="accept and never answer")
+    p.add_argument("--fault-mid-stream", default=None, choices=["crash", "error", "hang"],
+                   help="what a stream meets once it has sent --fault-mid-stream-after tokens: the process exits "
+                        "hard (os._exit, every stream breaks), an error event then [DONE], or silence")
+    p.add_argument("--fault-mid-stream-after", type=int, default=8,
+                   help="tokens a stream sends before --fault-mid-stream acts")
     p.add_argument("--fault-garbage-rate", type=float, default=0.0,
                    help="fraction of generation requests answered 200 with bytes that are not JSON")
     return p

@@ -307,7 +307,7 @@ class Engine:
         if self.mode == "decode":
             max_new = max(max_new, 1)
         seed = seed_for(item.rid, p, item.bootstrap_room) + item.seed_offset
-        planned = plan_output(seed, max_new, p)
+        planned = plan_output(seed, max_new, p, start=len(item.input_ids))
         return Req(rid=item.rid, input_ids=item.input_ids, planned=planned, cache_salt=item.cache_salt,
                    priority=item.priority, prefilled=prefilled,
                    use_cache=not self.args.disable_radix_cache and self.mode != "decode",

@@ -1,13 +1,17 @@
 """Deterministic "model output": printable-ASCII token streams seeded per request.
 
-The whole output of a request is drawn once at admission (one ``randbytes`` call and a
-``bytes.translate``), and stop strings / stop token ids are located with ``bytes.find``,
-so the scheduler never does per-token Python work to produce text.
+The token at a sequence position is a function of the seed and that position (prompt
+tokens count): a request whose prompt is another's prompt plus the first k tokens of its
+answer, with the same seed, draws the rest of that answer (what a gateway that continues
+a broken stream elsewhere sends, docs/migration.md); a real model with greedy decoding
+behaves so. The whole output of a request is drawn once at admission (one keyed BLAKE2b
+digest per 64 positions and a ``bytes.translate``), and stop strings / stop token ids are
+located with ``bytes.find``, so the scheduler never does per-token Python work to produce text.
 """
 
 from __future__ import annotations
 
-import random
+import hashlib
 import zlib
 from dataclasses import dataclass
 
@@ -33,16 +37,22 @@ class Planned:
     text_len: int  # characters of ``out`` that are shown (stop strings trimmed)
 
 
-def _draw(seed: int, n: int) -> bytes:
-    """Prefix-stable: the first k tokens do not depend on n (PD prefill draws 1, decode n)."""
+def _draw(seed: int, start: int, n: int) -> bytes:
+    """The tokens at positions ``start`` .. ``start + n - 1``: each depends on the seed and its
+    position only, so the first k do not depend on n (PD prefill draws 1, decode n)."""
     if n <= 0:
         return b""
-    rng = random.Random(seed)
-    return b"".join(rng.randbytes(_CHUNK) for _ in range(-(-n // _CHUNK)))[:n].translate(_PRINTABLE)
+    key = (seed % (1 << 64)).to_bytes(8, "little")
+    first, last = start // _CHUNK, (start + n - 1) // _CHUNK
+    data = b"".join(hashlib.blake2b(c.to_bytes(8, "little"), key=key, digest_size=_CHUNK).digest()
+                    for c in range(first, last + 1))
+    skip = start - first * _CHUNK
+    return data[skip:skip + n].translate(_PRINTABLE)
 
 
-def plan_output(seed: int, max_new: int, params: SamplingParams) -> Planned:
-    out = _draw(seed, max_new)
+def plan_output(seed: int, max_new: int, params: SamplingParams, start: int = 0) -> Planned:
+    """``start``: the position of the first output token (the prompt's length)."""
+    out = _draw(seed, start, max_new)
     best: tuple[int, int, object] | None = None  # (end, text_end, matched)
     lo = max(params.min_new_tokens, 0)
     for s in params.stops():

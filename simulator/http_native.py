@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -48,6 +49,23 @@ async def apply_faults(engine: Engine) -> None:
         raise web.HTTPOk(body=b'{"id": "cmpl-\x00\xff\xfe garbage <html>', content_type="application/json")
 
 
+async def mid_stream_fault(engine: Engine, resp: web.StreamResponse, p: Progress) -> bool:
+    """``--fault-mid-stream``, once a stream has sent ``--fault-mid-stream-after`` tokens and
+    is not finished: True when the stream ends here (after an error event and ``[DONE]``)."""
+    a = engine.args
+    if a.fault_mid_stream is None or p.finished or p.n < a.fault_mid_stream_after:
+        return False
+    if a.fault_mid_stream == "crash":
+        log.error("fault injection: crashing mid-stream after %d tokens", p.n)
+        os._exit(17)
+    if a.fault_mid_stream == "hang":
+        await sleep_forever()
+    await resp.write(sse({"error": {"message": "Injected failure (--fault-mid-stream error)",
+                                    "type": "InternalServerError", "code": 500}}))
+    await resp.write(DONE)
+    return True
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
@@ -88,6 +106,8 @@ async def _stream(request: web.Request, engine: Engine, items: list[Item], batch
             prev = sent.get(p.item.index, 0)
             await resp.write(sse(native_output(engine, p, batch, prev)))
             sent[p.item.index] = p.n
+            if await mid_stream_fault(engine, resp, p):
+                return resp
         await resp.write(DONE)
     except (ConnectionResetError, asyncio.CancelledError):
         raise

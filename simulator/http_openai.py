@@ -2,7 +2,9 @@
 
 Both accept SGLang's extras (top_k, min_p, regex, rid, cache_salt, priority, the PD
 ``bootstrap_*`` fields, ...) and report ``usage.prompt_tokens_details.cached_tokens``
-when cache reporting is on (SGLang's ``--enable-cache-report``).
+when cache reporting is on (SGLang's ``--enable-cache-report``). A completion asked with
+``return_token_ids`` carries its choices' ``token_ids`` (a stream's: each chunk's new ones)
+and ``prompt_token_ids`` (a stream's: on its first chunk), as SGLang's do.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from wire.chat_template import sglang_tools, template_kwargs
 from . import logprobs
 from .engine import ApiError, Engine, Item, check_client_ids
 from .http_common import DONE, ENGINE, json_object, json_response, open_sse, openai_error, sse
-from .http_native import apply_faults
+from .http_native import apply_faults, mid_stream_fault
 from .item_stream import merged
 from .protocol import SamplingParams
 from .runner import Progress, collect
@@ -159,12 +161,21 @@ async def _common(request: web.Request, chat: bool) -> web.StreamResponse:
                             "finish_reason": reason, "matched_stop": matched})
         else:
             choices.append({"index": p.item.index, "text": text, "logprobs": lps, "finish_reason": reason,
-                            "matched_stop": matched})
+                            "matched_stop": matched, **_token_ids(body, p, 0, True)})
     return json_response({
         "id": results[0].req.rid, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": body.get("model") or engine.args.model_name, "choices": choices,
         "usage": _usage(engine, results), "metadata": {"weight_version": "default"},
     })
+
+
+def _token_ids(body: dict[str, Any], p: Progress, first: int, with_prompt: bool) -> dict[str, Any]:
+    """A completion choice's ``token_ids`` from output token ``first`` on (and the prompt's),
+    where the request asked ``return_token_ids``."""
+    if not body.get("return_token_ids"):
+        return {}
+    return {"token_ids": list(p.req.planned.out[first:p.n]),
+            "prompt_token_ids": list(p.item.input_ids) if with_prompt else None}
 
 
 def _choice_logprobs(p: Progress, first: int, chat: bool) -> dict[str, Any] | None:
@@ -241,14 +252,18 @@ async def _stream(request: web.Request, engine: Engine, body: dict[str, Any], it
         if not delta and reason is None:
             continue
         usage = _usage(engine, [p]) if continuous_usage else None
-        lps = _choice_logprobs(p, sent_tokens.get(p.item.index, 0), chat)
+        sent_tokens_before = sent_tokens.get(p.item.index, 0)
+        lps = _choice_logprobs(p, sent_tokens_before, chat)
         sent_tokens[p.item.index] = p.n
         if chat:
             await resp.write(chunk({"index": p.item.index, "delta": {"content": delta} if delta else {},
                                     "logprobs": lps, "finish_reason": reason, "matched_stop": matched}, usage))
         else:
+            ids = _token_ids(body, p, sent_tokens_before, sent_tokens_before == 0)
             await resp.write(chunk({"index": p.item.index, "text": delta, "logprobs": lps,
-                                    "finish_reason": reason, "matched_stop": matched}, usage))
+                                    "finish_reason": reason, "matched_stop": matched, **ids}, usage))
+        if await mid_stream_fault(engine, resp, p):
+            return resp
     if include_usage and last:
         await resp.write(sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
                               "usage": _usage(engine, list(last.values()))}))

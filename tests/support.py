@@ -103,7 +103,8 @@ class Proc:
         return cls([sys.executable, "-m", module, *args], env=child_env(**env), name=name or module)
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # read after stop() too: launch() looks for a bind error then
+            self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
     def wait_http(self, url: str, timeout: float = 30.0, ok: tuple[int, ...] = (200,)) -> None:

@@ -74,9 +74,10 @@ async def _stream(url: str, body: dict, *, stop_after: int | None = None, on_chu
     return events
 
 
-def test_worker_killed_mid_stream_ends_with_error_frame_then_done(start_sim, start_gateway):
+def test_worker_killed_mid_stream_without_migration_ends_with_error_frame_then_done(start_sim, start_gateway):
+    """With migration off (tests/test_gateway_migration.py has it on), the stream ends so."""
     victim = start_sim("--time-scale", "1", name="victim")
-    gw = start_gateway(victim.url)
+    gw = start_gateway(victim.url, args=("--migration-limit", "0"))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "long answer"}], "max_tokens": 2000,
             "stream": True}
 
@@ -91,6 +92,25 @@ def test_worker_killed_mid_stream_ends_with_error_frame_then_done(start_sim, sta
     assert error["error"]["type"] == "upstream_error" and "mid-stream" in error["error"]["message"]
     for e in events[:-2]:
         json.loads(e.removeprefix(b"data: "))  # every event before it is intact JSON
+
+
+def test_worker_killed_mid_stream_is_finished_by_another(start_sim, start_gateway):
+    victim = start_sim("--time-scale", "1", name="victim")
+    survivor = start_sim("--time-scale", "20", name="survivor")
+    gw = start_gateway(victim.url, survivor.url, args=("--policy", "round_robin"))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long answer"}], "max_tokens": 200, "seed": 4}
+    _, whole = chat(survivor.url, **body)
+
+    def kill_after_some(n: int) -> None:
+        if n == 3:
+            victim.kill(signal.SIGKILL)
+
+    events = asyncio.run(_stream(gw.url + "/v1/chat/completions", {**body, "stream": True}, on_chunk=kill_after_some))
+    assert events[-1] == b"data: [DONE]" and events.count(b"data: [DONE]") == 1
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        whole["choices"][0]["message"]["content"]
+    assert metric_value(get_text(gw.url + "/metrics"), "kvgate_migrations_total") == 1
 
 
 def test_others_keep_being_served_while_a_worker_dies(start_sim, start_gateway):

@@ -141,8 +141,8 @@ def test_decode_rejection_aborts_the_prefill_leg(procs):
     wait_for_abort(next(p for p in procs if p.url == prefills[0][0]), "decode-fails-0")
 
 
-def test_decode_killed_mid_stream_ends_with_error_frame(procs):
-    gw, _, decodes = start_pd(procs, 1, 1, decode_args=("--time-scale", "1"))
+def test_decode_killed_mid_stream_without_migration_ends_with_error_frame(procs):
+    gw, _, decodes = start_pd(procs, 1, 1, decode_args=("--time-scale", "1"), gateway_args=("--migration-limit", "0"))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 3000, "stream": True}
 
     def kill(n: int) -> None:

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from simulator.cluster import SimCluster
+from simulator.cluster import SimCluster, bind_failed
 from tests.support import Proc, http_status
 
 
@@ -108,3 +108,59 @@ def test_a_port_answering_zmq_is_not_ready_rather_than_a_crash():
 
         threading.Thread(target=greet, daemon=True).start()
         assert _status(f"http://127.0.0.1:{server.getsockname()[1]}/health") is None
+
+
+def test_a_killed_worker_restarts_on_its_ports_once_they_are_free_again():
+    """A worker killed and started again keeps its URL (a gateway's list names it); a port
+    taken meanwhile (here: squatted for a moment) delays the restart instead of failing it."""
+    import socket
+    import threading
+
+    with SimCluster(workers=2, engine_args=["--time-scale", "20"], kv_events=True) as c:
+        url = c.urls[0]
+        c.kill(url)
+        assert http_status(url + "/health") is None and c.dead() == [(url, -signal.SIGKILL)]
+        squat = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the old server's connections linger
+        squat.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        squat.listen()
+        timer = threading.Timer(4.0, squat.close)  # past the first try's start-up (~1-2 s)
+        timer.start()
+        try:
+            c.restart(url)
+        finally:
+            timer.cancel()
+            squat.close()
+        assert http_status(url + "/health") == 200 and c.alive() == c.urls
+        log = c.log_paths[0]
+        assert len(c.log_paths) == 2 and not log.name.endswith(".r1.log")  # tried again
+        assert bind_failed(log.with_name(log.name.split(".")[0] + ".r1.log").read_text())
+
+
+def test_a_test_process_whose_port_is_taken_starts_again_on_another(monkeypatch):
+    """tests.support.launch: a child that exits on a bind error is started again on new
+    ports (its output is read after it was stopped)."""
+    import socket
+
+    import tests.support as support
+    from tests.sim_support import spawn_sim
+
+    squat = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squat.bind(("127.0.0.1", 0))
+    squat.listen()
+    real, picks = support.free_port, []
+
+    def pick() -> int:
+        picks.append(real() if picks else squat.getsockname()[1])
+        return picks[-1]
+
+    monkeypatch.setattr(support, "free_port", pick)
+    try:
+        proc = spawn_sim("--time-scale", "20")
+        try:
+            assert len(picks) == 2 and proc.url.endswith(f":{picks[1]}")
+            assert http_status(proc.url + "/health") == 200
+        finally:
+            proc.stop()
+    finally:
+        squat.close()

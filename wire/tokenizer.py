@@ -50,6 +50,16 @@ class ChatPrompt:
     continued: str | None = None
 
 
+def plain_chat(messages: Sequence[Mapping[str, Any]], continue_final_message: bool = False) -> ChatPrompt:
+    """The plain template's chat (no model template): a final assistant message with
+    ``continue_final_message`` is left open, its text to be appended."""
+    last = messages[-1] if messages else None
+    if continue_final_message and last is not None and last.get("role") == "assistant" \
+            and isinstance(last.get("content"), str):
+        return ChatPrompt(apply_chat_template(messages[:-1]), last["content"])
+    return ChatPrompt(apply_chat_template(messages))
+
+
 # Ids, and the same ids as uint32 little-endian bytes (``wire.hashing.uint32_le``) where the
 # tokenizer had them packed already, so that the precise index need not pack them again.
 Encoded = tuple[list[int], bytes | None]
@@ -86,16 +96,16 @@ class ByteTokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None,
                     template_kwargs: Mapping[str, Any] | None = None,
                     continue_final_message: bool = False) -> ChatPrompt:
-        return ChatPrompt(apply_chat_template(messages))
+        return plain_chat(messages, continue_final_message)
 
     def encode_chat(self, prompt: ChatPrompt) -> list[int]:
-        return self.encode(prompt.text)
+        return self.encode(prompt.text + (prompt.continued or ""))
 
     def encode_packed(self, text: str, add_special_tokens: bool = True) -> Encoded:
         return self.encode(text), None
 
     def encode_chat_packed(self, prompt: ChatPrompt) -> Encoded:
-        return self.encode(prompt.text), None
+        return self.encode_chat(prompt), None
 
 
 class HFTokenizer:
@@ -162,7 +172,7 @@ class HFTokenizer:
                     template_kwargs: Mapping[str, Any] | None = None,
                     continue_final_message: bool = False) -> ChatPrompt:
         if self.template is None:
-            return ChatPrompt(apply_chat_template(messages))
+            return plain_chat(messages, continue_final_message)
         text, continued = self.template.render(messages, tools, template_kwargs, continue_final_message)
         return ChatPrompt(text, continued)
 
