@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=int, default=4096,
                    help="bytes really moved per prompt token in PD (small so tests are fast)")
     p.add_argument("--kv-pool-mb", type=int, default=64, help="registered transfer buffer per worker")
+    p.add_argument("--transfer-bandwidth-gbps", type=float, default=25.0,
+                   help="simulator only: the link a PD transfer is charged at (GB/s, one 200 Gb/s RDMA NIC per "
+                        "prefill): prompt tokens x the profile's KV bytes/token over this, in simulated time")
     p.add_argument("--disaggregation-waiting-timeout", type=float,
                    default=float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)))
     p.add_argument("--disaggregation-bootstrap-timeout", type=float,

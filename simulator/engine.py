@@ -113,6 +113,8 @@ class Engine:
         self.pd = None  # set by server for PD roles
         self.page_store = None  # pool_store.PageStore with --hicache-storage-backend mooncake
         self.storage_tokens = 0  # prompt tokens served from the pool
+        # finished requests' prompt tokens, and of those the ones served from each cache tier
+        self.cached_by_tier = {"prompt": 0, "device": 0, "host": 0, "storage": 0}
         self.storage_speedup: float | None = None
 
     @property
@@ -344,6 +346,11 @@ class Engine:
         ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
         gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
         self.storage_tokens += req.cached_storage
+        tiers = self.cached_by_tier
+        tiers["prompt"] += req.prompt_len
+        tiers["device"] += req.cached_device
+        tiers["host"] += req.cached_host
+        tiers["storage"] += req.cached_storage
         self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
                                     req.abort_message is not None)
         if self.args.log_requests:
