@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes, divided by this (default: calibrated at start to --storage-bandwidth-gbps)")
     p.add_argument("--storage-bandwidth-gbps", type=float, default=5.0,
                    help="simulator only: what an uncontended pool load should run at (RDMA Mooncake pool)")
+    p.add_argument("--storage-timing", default="measured", choices=["measured", "link"],
+                   help="simulator only: charge a pool load its measured get time scaled to the model's bytes "
+                        "(measured: real contention here costs more), or the model's bytes over "
+                        "--storage-bandwidth-gbps (link: independent of this machine's load)")
     # KV events
     p.add_argument("--kv-events-port", type=int, default=None, help="shortcut for a zmq publisher on this port")
     p.add_argument("--kv-events-config", default=None, help="SGLang's JSON kv-events config")

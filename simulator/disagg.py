@@ -31,6 +31,7 @@ import logging
 import random
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -88,13 +89,18 @@ class TransferEngineHandle:
         if rc != 0:
             raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({rc})")
         self.session = f"{host}:{self.te.get_rpc_port()}"
+        # own threads: a transfer must not queue behind HiCache backups in the default executor
+        self.executor = ThreadPoolExecutor(2, thread_name_prefix="pd-transfer")
         self.pool = KVPool(pool_bytes)
         rc = self.te.register_memory(self.pool.base, pool_bytes)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory failed ({rc})")
 
-    def write(self, peer_session: str, src_off: int, dst_addr: int, n: int) -> int:
-        return self.te.transfer_sync_write(peer_session, self.pool.base + src_off, dst_addr, n)
+    def write(self, peer_session: str, src_off: int, dst_addr: int, n: int) -> tuple[int, float]:
+        """(return code, seconds the write took in its thread)."""
+        t0 = time.perf_counter()
+        rc = self.te.transfer_sync_write(peer_session, self.pool.base + src_off, dst_addr, n)
+        return rc, time.perf_counter() - t0
 
 
 @dataclass
@@ -136,6 +142,7 @@ class PrefillPD:
     async def close(self) -> None:
         if self._runner:
             await self._runner.cleanup()
+        self.te.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _put_route(self, request: web.Request) -> web.Response:
         self.registered.append(_dec.decode(await request.read()))
@@ -189,9 +196,8 @@ class PrefillPD:
                 raise ApiError(500, f"KV transfer failed for request {req.rid}", "InternalServerError")
             loop = asyncio.get_running_loop()
             ready, end = self._reserve_link(req.prompt_len)
-            t0 = time.perf_counter()
-            rc = await loop.run_in_executor(None, self.te.write, info["session"], off, int(info["dst_addr"]), n)
-            loop_s = time.perf_counter() - t0
+            rc, loop_s = await loop.run_in_executor(self.te.executor, self.te.write, info["session"], off,
+                                                    int(info["dst_addr"]), n)
             if rc != 0:
                 eng.metrics.transfer_failed.inc()
                 self._fail(st, f"mooncake transfer_sync_write returned {rc}")
@@ -251,6 +257,7 @@ class DecodePD:
     async def close(self) -> None:
         if self._session:
             await self._session.close()
+        self.te.executor.shutdown(wait=False, cancel_futures=True)
 
     def queue_gauges(self) -> dict[str, float]:
         return {"num_decode_transfer_queue_reqs": self.transferring, "num_decode_prealloc_queue_reqs": 0}
