@@ -80,6 +80,40 @@ class CellResult:
         return statistics.median(vals) if vals else None
 
 
+@dataclass
+class ExternalFleet:
+    """Engines started elsewhere (real SGLang, ``docs/joint-matrix.md``): cells run only the
+    routers on them, and tier/transfer figures that only the simulator reports stay empty."""
+
+    urls: list[str]
+    prefill: list[tuple[str, int]]
+    decode: list[str]
+
+    @property
+    def all_urls(self) -> list[str]:
+        return [u for u, _ in self.prefill] + self.decode + self.urls
+
+    @property
+    def topology(self) -> Topology:
+        if self.prefill:
+            return Topology(f"{len(self.prefill)}P+{len(self.decode)}D", len(self.prefill), len(self.decode))
+        return Topology(f"{len(self.urls)}U", unified=len(self.urls))
+
+    def __enter__(self) -> "ExternalFleet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def external_fleet(a: argparse.Namespace) -> ExternalFleet | None:
+    if not (a.worker_url or a.prefill_url or a.decode_url):
+        return None
+    if bool(a.prefill_url) != bool(a.decode_url) or (a.worker_url and a.prefill_url):
+        raise SystemExit("give --worker-url (unified) or --prefill-url and --decode-url (PD), not a mix")
+    return ExternalFleet(list(a.worker_url), [(u, int(port)) for u, port in a.prefill_url], list(a.decode_url))
+
+
 def topologies(gpus: int, splits: list[int]) -> list[Topology]:
     return [Topology(f"{gpus}U", unified=gpus)] + [Topology(f"{p}P+{gpus - p}D", prefill=p, decode=gpus - p)
                                                    for p in splits if 0 < p < gpus]
@@ -98,13 +132,14 @@ def engine_args(a: argparse.Namespace, placement: str) -> list[str]:
     return args
 
 
-def start_router(cell: Cell, cluster: SimCluster, a: argparse.Namespace, log: Path) -> Service:
+def start_router(cell: Cell, cluster: SimCluster | ExternalFleet, a: argparse.Namespace, log: Path) -> Service:
     """kvgate (``cost`` / ``pd_cost``, the transfer priced at the simulated link) or sglang-router."""
     # the policy prices pool loads at the rate the simulated fleet charges them
     pool_tps = a.storage_bandwidth_gbps * 1e9 / get_profile(a.profile).kv_bytes_per_token
     if not cell.topology.pd:
         if cell.router == "kvgate":
-            return start_kvgate(cluster.urls, "cost", {"pool_load_tokens_per_s": f"{pool_tps:.0f}"}, log)
+            return start_kvgate(cluster.urls, "cost", {"pool_load_tokens_per_s": f"{pool_tps:.0f}"}, log,
+                                tokenizer=a.gateway_tokenizer)
         return start_sglang_router(cluster.urls, "cache_aware", {}, log)
     legs: list[str] = []
     for url, port in cluster.prefill:
@@ -114,7 +149,7 @@ def start_router(cell: Cell, cluster: SimCluster, a: argparse.Namespace, log: Pa
     if cell.router == "kvgate":
         bw = str(a.transfer_bandwidth_gbps * 1e9)
         make = lambda port: [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--log-level", "warning", "--tokenizer", "byte", "--pd-disaggregation",
+                             "--log-level", "warning", "--tokenizer", a.gateway_tokenizer, "--pd-disaggregation",
                              "--policy", "pd_cost", "--policy-option", f"cross_host_bytes_per_s={bw}",
                              "--policy-option", f"same_host_bytes_per_s={bw}",
                              "--policy-option", f"pool_load_tokens_per_s={pool_tps:.0f}", *legs]
@@ -182,10 +217,10 @@ def run_cell(cell: Cell, records: list[TraceRecord], span_s: float, a: argparse.
     logs = out / "logs" / cell.label.replace("/", "_").replace("+", "")
     logs.mkdir(parents=True, exist_ok=True)
     topo = cell.topology
-    with SimCluster(workers=topo.unified, prefill=topo.prefill, decode=topo.decode,
-                    engine_args=engine_args(a, cell.placement), pool=cell.placement == "pool",
-                    pool_segment=a.pool_segment, log_dir=str(logs), startup_timeout=120) as cluster, \
-            contextlib.ExitStack() as stack:
+    fleet = a.external or SimCluster(workers=topo.unified, prefill=topo.prefill, decode=topo.decode,
+                                     engine_args=engine_args(a, cell.placement), pool=cell.placement == "pool",
+                                     pool_segment=a.pool_segment, log_dir=str(logs), startup_timeout=120)
+    with fleet as cluster, contextlib.ExitStack() as stack:
         router = start_router(cell, cluster, a, logs / "router.log")
         stack.callback(router.stop)
         time.sleep(1.0)  # the policy subscribes to every worker's KV events
@@ -283,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", default=str(ROOT / "bench" / "results"), help="where the PNGs go")
     p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
     p.add_argument("--only", nargs="*", default=[], help="run only the cells whose label holds one of these")
+    ext = p.add_argument_group("real engines (instead of the simulator; time-scale 1, one topology)")
+    ext.add_argument("--worker-url", nargs="+", default=[], help="unified SGLang workers")
+    ext.add_argument("--prefill-url", nargs=2, action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"))
+    ext.add_argument("--decode-url", action="append", default=[])
+    ext.add_argument("--external-placement", choices=PLACEMENTS, default="gpu",
+                     help="how those engines were launched (HiCache host tier, Mooncake Store L3)")
+    ext.add_argument("--gateway-tokenizer", default="byte",
+                     help="the gateway's tokenizer: 'byte' for the simulator, the model directory for real engines")
     return p
 
 
@@ -300,8 +343,13 @@ def main(argv: list[str] | None = None) -> int:
         a.workloads = [w for w in a.workloads if w != "conversation"]
     workloads = {w: (WORKLOADS[w](a.trace, a.requests, a.span_s, a.seed) if w == "conversation"
                      else WORKLOADS[w](a.requests, a.span_s, a.seed)) for w in a.workloads}
-    cells = [c for c in plan(a) if not a.only or any(x in c.label for x in a.only)]
-    if a.quick and peers:  # one peer cell: the joint one
+    a.external = external_fleet(a)
+    if a.external is not None:
+        a.time_scale = 1.0
+        cells = [Cell(w, a.external.topology, a.external_placement, r) for w in a.workloads for r in a.routers]
+    else:
+        cells = [c for c in plan(a) if not a.only or any(x in c.label for x in a.only)]
+    if a.quick and peers and a.external is None:  # one peer cell: the joint one
         pd = [c for c in cells if c.topology.pd and c.placement == a.placements[-1]]
         cells += [Cell(c.workload, c.topology, c.placement, "sglang-router") for c in pd[:1]]
     out = Path(a.out)
