@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -33,26 +32,16 @@ from pathlib import Path
 from simulator.cluster import SimCluster
 from simulator.profiles import get_profile
 
+from .joint_fleet import (ExternalFleet, Topology, external_fleet, http_post, since, ttft_sums,
+                          worker_totals)
 from .joint_workloads import WORKLOADS
 from .replay import replay, summarize
-from .services import Service, http_get, start_kvgate, start_service, start_sglang_router
+from .services import Service, start_kvgate, start_service, start_sglang_router
 from .trace import DEFAULT_TRACE, TraceRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEMENTS = ("gpu", "host", "pool")
 ROUTERS = ("kvgate", "sglang-router")
-
-
-@dataclass(frozen=True)
-class Topology:
-    name: str
-    prefill: int = 0
-    decode: int = 0
-    unified: int = 0
-
-    @property
-    def pd(self) -> bool:
-        return self.prefill > 0
 
 
 @dataclass(frozen=True)
@@ -78,40 +67,6 @@ class CellResult:
     def median(self, key: str) -> float | None:
         vals = [r[key] for r in self.runs if r.get(key) is not None]
         return statistics.median(vals) if vals else None
-
-
-@dataclass
-class ExternalFleet:
-    """Engines started elsewhere (real SGLang, ``docs/joint-matrix.md``): cells run only the
-    routers on them, and tier/transfer figures that only the simulator reports stay empty."""
-
-    urls: list[str]
-    prefill: list[tuple[str, int]]
-    decode: list[str]
-
-    @property
-    def all_urls(self) -> list[str]:
-        return [u for u, _ in self.prefill] + self.decode + self.urls
-
-    @property
-    def topology(self) -> Topology:
-        if self.prefill:
-            return Topology(f"{len(self.prefill)}P+{len(self.decode)}D", len(self.prefill), len(self.decode))
-        return Topology(f"{len(self.urls)}U", unified=len(self.urls))
-
-    def __enter__(self) -> "ExternalFleet":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def external_fleet(a: argparse.Namespace) -> ExternalFleet | None:
-    if not (a.worker_url or a.prefill_url or a.decode_url):
-        return None
-    if bool(a.prefill_url) != bool(a.decode_url) or (a.worker_url and a.prefill_url):
-        raise SystemExit("give --worker-url (unified) or --prefill-url and --decode-url (PD), not a mix")
-    return ExternalFleet(list(a.worker_url), [(u, int(port)) for u, port in a.prefill_url], list(a.decode_url))
 
 
 def topologies(gpus: int, splits: list[int]) -> list[Topology]:
@@ -166,52 +121,6 @@ def _free() -> int:
     return free_port()
 
 
-def worker_totals(urls: list[str], kv_bytes: int) -> dict:
-    """Tier hits, KV traffic (model bytes) and lag, summed over the fleet's /server_info."""
-    t = {"prompt": 0, "device": 0, "host": 0, "storage": 0, "pd_bytes": 0, "pd_loopback_bytes": 0, "pd_sim_s": 0.0,
-         "pd_queue_sim_s": 0.0, "pool_bytes": 0, "pool_load_sim_s": 0.0, "pool_query_wall_s": 0.0,
-         "pool_fetch_wall_s": 0.0, "pool_queries": 0, "lag_s": 0.0, "busy": {}}
-    for u in urls:
-        status, body = http_get(u + "/server_info")
-        if status != 200:
-            continue
-        info = json.loads(body)
-        sim = info.get("simulator") or {}
-        for k in ("prompt", "device", "host", "storage"):
-            if info.get("disaggregation_mode") != "decode":  # decode recomputes nothing, caches nothing
-                t[k] += (sim.get("cached_by_tier") or {}).get(k, 0)
-        role = {"null": "unified"}.get(info.get("disaggregation_mode"), info.get("disaggregation_mode"))
-        t["busy"].setdefault(role, []).append(sim.get("busy_sim_s") or 0.0)
-        pd = sim.get("pd_transfer") or {}
-        if info.get("disaggregation_mode") == "prefill":
-            t["pd_bytes"] += pd.get("model_bytes", 0)
-            t["pd_loopback_bytes"] += pd.get("loopback_bytes", 0)
-            t["pd_sim_s"] += pd.get("sim_s", 0.0)
-            t["pd_queue_sim_s"] += pd.get("queue_sim_s", 0.0)
-        pool = sim.get("pool") or {}
-        t["pool_bytes"] += int(pool.get("fetched_pages", 0)) * info.get("page_size", 64) * kv_bytes
-        for k in ("load_sim_s", "query_wall_s", "fetch_wall_s", "queries"):
-            t["pool_" + k] += pool.get(k, 0)
-        t["lag_s"] = max(t["lag_s"], sim.get("max_lag_sim_s") or 0.0, pd.get("max_lag_sim_s") or 0.0,
-                         pool.get("max_lag_sim_s") or 0.0)
-    return t
-
-
-def mean_ttft(urls: list[str], time_scale: float) -> float | None:
-    """Mean TTFT the workers themselves measured (a prefill's: arrival to its forward's end), simulated s."""
-    total = count = 0.0
-    for u in urls:
-        status, body = http_get(u + "/metrics")
-        if status != 200:
-            continue
-        for line in body.decode().splitlines():
-            if line.startswith("sglang:time_to_first_token_seconds_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("sglang:time_to_first_token_seconds_count"):
-                count += float(line.rsplit(" ", 1)[1])
-    return total / count * time_scale if count else None
-
-
 def run_cell(cell: Cell, records: list[TraceRecord], span_s: float, a: argparse.Namespace, out: Path,
              keep_rows: bool) -> tuple[dict, list[float], list[float]]:
     logs = out / "logs" / cell.label.replace("/", "_").replace("+", "")
@@ -223,14 +132,23 @@ def run_cell(cell: Cell, records: list[TraceRecord], span_s: float, a: argparse.
     with fleet as cluster, contextlib.ExitStack() as stack:
         router = start_router(cell, cluster, a, logs / "router.log")
         stack.callback(router.stop)
+        kv_bytes = get_profile(a.profile).kv_bytes_per_token
+        before = ttft0 = None
+        if a.external is not None:  # long-lived engines: start cold, count this run only
+            for u in cluster.all_urls:
+                http_post(u + "/flush_cache")
+            before, ttft0 = worker_totals(cluster.all_urls, kv_bytes), ttft_sums([w for w, _ in cluster.prefill])
         time.sleep(1.0)  # the policy subscribes to every worker's KV events
         res = asyncio.run(replay(records, router.url, api="generate", speedup=a.time_scale, concurrency=4096,
                                  time_scale=a.time_scale, timeout=a.request_timeout, load_urls=cluster.all_urls,
                                  load_interval=1.0))
-        totals = worker_totals(cluster.all_urls, get_profile(a.profile).kv_bytes_per_token)
+        totals = since(worker_totals(cluster.all_urls, kv_bytes), before)
         roles = {w: "prefill" for w, _ in cluster.prefill} | {w: "decode" for w in cluster.decode} \
             | {w: "unified" for w in cluster.urls}
-        prefill_ttft = mean_ttft([w for w, _ in cluster.prefill], a.time_scale)
+        ttft_sum, ttft_n = ttft_sums([w for w, _ in cluster.prefill])
+        if ttft0 is not None:
+            ttft_sum, ttft_n = ttft_sum - ttft0[0], ttft_n - ttft0[1]
+        prefill_ttft = ttft_sum / ttft_n * a.time_scale if ttft_n else None
     s = summarize(res.rows, res.wall_s, res.time_scale)
     f = res.time_scale
     good = sum(1 for r in res.rows if r.ok and r.ttft_s is not None and r.ttft_s * f <= a.slo_ttft)
