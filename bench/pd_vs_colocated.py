@@ -5,8 +5,8 @@ kvgate (``cost``), or half prefill and half decode behind kvgate in PD mode (``p
 pairs them), KV moved prefill -> decode through the Mooncake transfer engine over TCP.
 The same Mooncake-trace requests arrive on the same schedule; latencies are SIMULATED
 seconds (wall time x ``--time-scale``). What disaggregation buys is decode steps that never
-stall behind a long prefill (TPOT); what it costs is the KV transfer and half the prefill
-capacity (TTFT under load).
+stall behind a long prefill (TPOT); what it costs is the KV transfer (the model's KV over the
+simulated link) and half the prefill capacity (TTFT under load).
 
     PYTHONPATH=$PWD python -m bench.pd_vs_colocated            # ~5 min
     PYTHONPATH=$PWD python -m bench.pd_vs_colocated --quick
@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         table(results), "", *ratios,
         "- The hit-rate column is what the client sees: in PD that is decode's meta_info, and decode does "
         "not prefix-cache (SGLang's default); prefill's hits show in the gateway's kvgate_cached_tokens_total.",
-        f"- KV transfer time is the real loopback Mooncake time of {a.kv_bytes_per_token} B/token, not the "
-        "model's 128 KiB/token: on a 25 GB/s RDMA NIC a 12k-token prompt's 1.6 GB would add ~65 ms.",
+        f"- KV transfer: {a.kv_bytes_per_token} B/token really moved over loopback; charged as the profile's "
+        "KV (128 KiB/token) over the simulator's --transfer-bandwidth-gbps (25 GB/s): a 12k-token prompt's "
+        "1.6 GB adds ~65 ms.",
     ])
     print(text)
     if not a.no_results:

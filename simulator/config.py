@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes, divided by this (default: calibrated at start to --storage-bandwidth-gbps)")
     p.add_argument("--storage-bandwidth-gbps", type=float, default=5.0,
                    help="simulator only: what an uncontended pool load should run at (RDMA Mooncake pool)")
+    p.add_argument("--storage-timing", default="measured", choices=["measured", "link"],
+                   help="simulator only: charge a pool load its measured get time scaled to the model's bytes "
+                        "(measured: real contention here costs more), or the model's bytes over "
+                        "--storage-bandwidth-gbps (link: independent of this machine's load)")
     # KV events
     p.add_argument("--kv-events-port", type=int, default=None, help="shortcut for a zmq publisher on this port")
     p.add_argument("--kv-events-config", default=None, help="SGLang's JSON kv-events config")
@@ -97,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=int, default=4096,
                    help="bytes really moved per prompt token in PD (small so tests are fast)")
     p.add_argument("--kv-pool-mb", type=int, default=64, help="registered transfer buffer per worker")
+    p.add_argument("--transfer-bandwidth-gbps", type=float, default=25.0,
+                   help="simulator only: the link a PD transfer is charged at (GB/s, one 200 Gb/s RDMA NIC per "
+                        "prefill): prompt tokens x the profile's KV bytes/token over this, in simulated time")
     p.add_argument("--disaggregation-waiting-timeout", type=float,
                    default=float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)))
     p.add_argument("--disaggregation-bootstrap-timeout", type=float,

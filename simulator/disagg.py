@@ -10,7 +10,18 @@ Flow (SGLang's, with the simulator's own control messages on the bootstrap serve
    (``--disaggregation-bootstrap-timeout``), and ``transfer_sync_write``s the bytes into
    the decode's memory over the Mooncake transfer engine;
 3. decode verifies the CRC32 the prefill reports against the bytes that landed, then runs
-   the decode phase. Transfer time is measured, not modelled.
+   the decode phase.
+
+Bytes and time are scaled like the pool tier's (``pool_tier.py``): the bytes really moved
+over loopback are ``--kv-bytes-per-token`` per prompt token (small, to fit this machine),
+while the transfer is *charged* as the model's KV (``profile.kv_bytes_per_token``) over a
+``--transfer-bandwidth-gbps`` link, in simulated seconds. Each prefill has one link (its
+NIC), served first come first served: a transfer starts when both its KV and its decode's
+registration are ready and the link is free, and the decode is answered when the link
+would have finished it. Loopback time overlaps that window; when loopback alone takes
+longer (a busy CPU), the excess is counted as lag (``TransferStats.max_lag_sim_s``), not
+hidden. ``meta_info.kv_transfer`` and the ``kv_transfer_*`` metrics report the model's
+bytes and simulated time; the loopback figures ride along as ``loopback_*``.
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ import logging
 import random
 import time
 import zlib
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import msgspec
@@ -43,6 +55,29 @@ def _kv_bytes(room: int, n: int) -> bytes:
     return (pattern * reps)[:n]
 
 
+@dataclass(slots=True)
+class TransferStats:
+    """PD KV traffic of one worker (``/server_info`` -> ``simulator.pd_transfer``)."""
+
+    transfers: int = 0
+    model_bytes: int = 0  # the profile's KV bytes (what a real fleet would move)
+    loopback_bytes: int = 0  # bytes really moved through Mooncake here
+    sim_s: float = 0.0  # simulated transfer time charged, link queueing included
+    queue_sim_s: float = 0.0  # of which waiting for the link
+    loopback_wall_s: float = 0.0
+    max_lag_sim_s: float = 0.0  # loopback outlasting the modelled transfer
+
+    def add(self, model_bytes: int, loopback_bytes: int, sim_s: float, loopback_s: float) -> None:
+        self.transfers += 1
+        self.model_bytes += model_bytes
+        self.loopback_bytes += loopback_bytes
+        self.sim_s += sim_s
+        self.loopback_wall_s += loopback_s
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
 class TransferEngineHandle:
     """One Mooncake TransferEngine per worker, with one registered pool."""
 
@@ -54,13 +89,18 @@ class TransferEngineHandle:
         if rc != 0:
             raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({rc})")
         self.session = f"{host}:{self.te.get_rpc_port()}"
+        # own threads: a transfer must not queue behind HiCache backups in the default executor
+        self.executor = ThreadPoolExecutor(2, thread_name_prefix="pd-transfer")
         self.pool = KVPool(pool_bytes)
         rc = self.te.register_memory(self.pool.base, pool_bytes)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory failed ({rc})")
 
-    def write(self, peer_session: str, src_off: int, dst_addr: int, n: int) -> int:
-        return self.te.transfer_sync_write(peer_session, self.pool.base + src_off, dst_addr, n)
+    def write(self, peer_session: str, src_off: int, dst_addr: int, n: int) -> tuple[int, float]:
+        """(return code, seconds the write took in its thread)."""
+        t0 = time.perf_counter()
+        rc = self.te.transfer_sync_write(peer_session, self.pool.base + src_off, dst_addr, n)
+        return rc, time.perf_counter() - t0
 
 
 @dataclass
@@ -77,6 +117,9 @@ class PrefillPD:
         self.rooms: dict[int, _Room] = {}
         self.registered: list[dict] = []
         self._runner: web.AppRunner | None = None
+        self.stats = TransferStats()
+        self.link_free_at = 0.0  # simulated instant this prefill's link finishes its queue
+        self.link_bytes_per_s = engine.args.transfer_bandwidth_gbps * 1e9
 
     def _room(self, room: int) -> _Room:
         r = self.rooms.get(room)
@@ -99,6 +142,7 @@ class PrefillPD:
     async def close(self) -> None:
         if self._runner:
             await self._runner.cleanup()
+        self.te.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _put_route(self, request: web.Request) -> web.Response:
         self.registered.append(_dec.decode(await request.read()))
@@ -151,22 +195,41 @@ class PrefillPD:
                 self._fail(st, "injected transfer failure (--fault-transfer-fail-rate)")
                 raise ApiError(500, f"KV transfer failed for request {req.rid}", "InternalServerError")
             loop = asyncio.get_running_loop()
-            t0 = time.perf_counter()
-            rc = await loop.run_in_executor(None, self.te.write, info["session"], off, int(info["dst_addr"]), n)
-            ms = (time.perf_counter() - t0) * 1000
+            ready, end = self._reserve_link(req.prompt_len)
+            rc, loop_s = await loop.run_in_executor(self.te.executor, self.te.write, info["session"], off,
+                                                    int(info["dst_addr"]), n)
             if rc != 0:
                 eng.metrics.transfer_failed.inc()
                 self._fail(st, f"mooncake transfer_sync_write returned {rc}")
                 raise ApiError(500, f"KV transfer failed for request {req.rid}", "InternalServerError")
-            eng.metrics.kv_transfer_ms.observe(ms)
-            if ms > 0:
-                eng.metrics.kv_transfer_speed.set(n / ms / 1e6)
+            wait = (end - eng.clock.now()) / eng.clock.scale
+            if wait > 0:
+                await asyncio.sleep(wait)
+            else:
+                self.stats.max_lag_sim_s = max(self.stats.max_lag_sim_s, -wait * eng.clock.scale)
+            model = req.prompt_len * eng.profile.kv_bytes_per_token
+            ms = (end - ready) * 1000
+            self.stats.add(model, n, end - ready, loop_s)
+            observe_transfer(eng, model, ms)
             if not st.result.done():
-                st.result.set_result({"ok": True, "checksum": checksum, "bytes": n, "transfer_ms": ms})
-            return {"kv_transfer": {"bytes": n, "latency_ms": ms}}
+                st.result.set_result({"ok": True, "checksum": checksum, "bytes": n, "transfer_ms": ms,
+                                      "model_bytes": model, "loopback_ms": loop_s * 1000})
+            return {"kv_transfer": {"bytes": model, "latency_ms": ms, "loopback_bytes": n,
+                                    "loopback_ms": loop_s * 1000}}
         finally:
             await self.te.pool.free(off, n)
             self.rooms.pop(room, None)
+
+    def _reserve_link(self, prompt_tokens: int) -> tuple[float, float]:
+        """(ready, end): simulated instants this transfer is ready and its last byte lands,
+        queued behind the transfers already on this prefill's link."""
+        eng = self.engine
+        ready = eng.clock.now()
+        link_s = prompt_tokens * eng.profile.kv_bytes_per_token / self.link_bytes_per_s
+        start = max(ready, self.link_free_at)
+        self.link_free_at = start + link_s
+        self.stats.queue_sim_s += start - ready
+        return ready, self.link_free_at
 
     def _fail(self, st: _Room, why: str) -> None:
         if not st.result.done():
@@ -184,6 +247,7 @@ class DecodePD:
         self.engine = engine
         self.te = te
         self.transferring = 0
+        self.stats = TransferStats()
         self.pending: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -193,6 +257,7 @@ class DecodePD:
     async def close(self) -> None:
         if self._session:
             await self._session.close()
+        self.te.executor.shutdown(wait=False, cancel_futures=True)
 
     def queue_gauges(self) -> dict[str, float]:
         return {"num_decode_transfer_queue_reqs": self.transferring, "num_decode_prealloc_queue_reqs": 0}
@@ -246,9 +311,8 @@ class DecodePD:
             got = zlib.crc32(self.te.pool.read(off, n))
             if got != result["checksum"] or result["bytes"] != n:
                 raise RuntimeError(f"KV checksum mismatch ({got:#x} != {result['checksum']:#x})")
-            eng.metrics.kv_transfer_ms.observe(result["transfer_ms"])
-            if result["transfer_ms"] > 0:
-                eng.metrics.kv_transfer_speed.set(n / result["transfer_ms"] / 1e6)
+            self.stats.add(result["model_bytes"], n, result["transfer_ms"] / 1000, result["loopback_ms"] / 1000)
+            observe_transfer(eng, result["model_bytes"], result["transfer_ms"])
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, MemoryError, OSError) as e:
             log.warning("decode transfer for %s failed: %s", req.rid, e)
             return self._failed(req, f"Decode transfer failed for request rid={req.rid}: {type(e).__name__} {e}")
@@ -269,6 +333,12 @@ class DecodePD:
         req.done.set_result(None)
         self.engine._on_finish(req)
         return req
+
+
+def observe_transfer(engine: Engine, model_bytes: int, sim_ms: float) -> None:
+    engine.metrics.kv_transfer_ms.observe(sim_ms)
+    if sim_ms > 0:
+        engine.metrics.kv_transfer_speed.set(model_bytes / sim_ms / 1e6)
 
 
 async def start_pd(engine: Engine) -> PrefillPD | DecodePD:

@@ -113,6 +113,8 @@ class Engine:
         self.pd = None  # set by server for PD roles
         self.page_store = None  # pool_store.PageStore with --hicache-storage-backend mooncake
         self.storage_tokens = 0  # prompt tokens served from the pool
+        # finished requests' prompt tokens, and of those the ones served from each cache tier
+        self.cached_by_tier = {"prompt": 0, "device": 0, "host": 0, "storage": 0}
         self.storage_speedup: float | None = None
 
     @property
@@ -176,11 +178,12 @@ class Engine:
         store = PageStore(cfg, self.page_size * self.args.kv_bytes_per_token)
         await asyncio.to_thread(store.connect)
         self.storage_speedup = self.args.storage_speedup
-        if self.storage_speedup is None:
+        if self.storage_speedup is None and self.args.storage_timing == "measured":
             measured = await asyncio.to_thread(store.calibrate)
             self.storage_speedup = self.args.storage_bandwidth_gbps * 1e9 / measured
-        log.info("HiCache storage: mooncake master %s, segment %d MiB, page %d bytes, speedup %.2f",
-                 cfg.master_server_address, cfg.global_segment_size >> 20, store.page_bytes, self.storage_speedup)
+        log.info("HiCache storage: mooncake master %s, segment %d MiB, page %d bytes, timing %s, speedup %s",
+                 cfg.master_server_address, cfg.global_segment_size >> 20, store.page_bytes,
+                 self.args.storage_timing, self.storage_speedup)
         return store
 
     def _pool_tier(self, cache: RadixCache, publisher: KVEventPublisher | None):
@@ -191,6 +194,9 @@ class Engine:
                         policy=self.args.hicache_storage_prefetch_policy,
                         bytes_ratio=self.profile.kv_bytes_per_token / self.args.kv_bytes_per_token,
                         speedup=self.storage_speedup,
+                        link_bytes_per_s=(self.args.storage_bandwidth_gbps * 1e9
+                                          if self.args.storage_timing == "link" else None),
+                        model_page_bytes=self.page_size * self.profile.kv_bytes_per_token,
                         timeout_base=float(extra.get("prefetch_timeout_base", 1.0)),
                         timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.25)),
                         publish=publisher.publish if publisher else None)
@@ -219,7 +225,7 @@ class Engine:
         out: dict[str, float] = {"credited_tokens": self.storage_tokens}
         for r in self.ranks:
             for k, v in asdict(r.scheduler.pool.stats).items():
-                out[k] = out.get(k, 0) + v
+                out[k] = max(out.get(k, 0), v) if k == "max_lag_sim_s" else out.get(k, 0) + v
         out["speedup"] = self.storage_speedup
         return out
 
@@ -344,6 +350,11 @@ class Engine:
         ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
         gen = req.out_len if req.abort_message is None else (1 if req.first_token_at else 0)
         self.storage_tokens += req.cached_storage
+        tiers = self.cached_by_tier
+        tiers["prompt"] += req.prompt_len
+        tiers["device"] += req.cached_device
+        tiers["host"] += req.cached_host
+        tiers["storage"] += req.cached_storage
         self.metrics.observe_finish(req.prompt_len, req.cached_tokens, gen, ttft, now - req.arrival,
                                     req.abort_message is not None)
         if self.args.log_requests:

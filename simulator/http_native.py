@@ -201,7 +201,8 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "time_scale": a.time_scale,
         "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
                       "host_pool_tokens": engine.host_tokens, **scheduler_stats(engine),
-                      "pool": engine.pool_stats()},
+                      "pool": engine.pool_stats(), "cached_by_tier": dict(engine.cached_by_tier),
+                      "pd_transfer": engine.pd.stats.as_dict() if engine.pd is not None else None},
         "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }

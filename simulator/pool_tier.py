@@ -29,7 +29,10 @@ an uncontended 64-page get and picks the speedup that maps that rate to
 ``--storage-bandwidth-gbps`` (5 GB/s: an RDMA Mooncake pool, the figure behind
 ``policies.cost``'s 40k tokens/s for an 8B model). So an uncontended load costs what 5 GB/s
 would, and one slowed by real contention here (other workers' backups, a busy CPU) costs
-proportionally more. Loopback measured here: ~0.1 GB/s at 64 B/token pages (per-object
+proportionally more. With ``--storage-timing link`` a load is instead charged the model's
+bytes over ``--storage-bandwidth-gbps`` (``link_bytes_per_s``), whatever the loopback took:
+machine-independent figures, with loopback that outlasts the charge counted as lag
+(``PoolStats.max_lag_sim_s``). Loopback measured here: ~0.1 GB/s at 64 B/token pages (per-object
 overhead dominates), ~0.3 at 256, ~0.9-1.3 at 1024, ~1.7-2 at 4096. The L2 -> L1 leg (host
 to GPU over PCIe) is then charged by the scheduler like any host hit.
 """
@@ -87,6 +90,7 @@ class PoolStats:
     fetch_bytes: int = 0
     query_wall_s: float = 0.0
     load_sim_s: float = 0.0  # what the loads were charged, simulated seconds
+    max_lag_sim_s: float = 0.0  # link timing: a real load that outlasted its charge
     prefetch_wall_s: float = 0.0  # submit -> queued, wall (incl. the policy's wait)
 
 
@@ -94,13 +98,15 @@ class PoolTier:
     def __init__(self, store: PageStore, cache: RadixCache, clock: SimClock, *, page_size: int,
                  policy: str = "best_effort", bytes_ratio: float = 1.0, speedup: float = 5.0,
                  timeout_base: float = 1.0, timeout_per_ki_token: float = 0.25,
-                 publish: Callable[[list], None] | None = None) -> None:
+                 publish: Callable[[list], None] | None = None, link_bytes_per_s: float | None = None,
+                 model_page_bytes: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"prefetch policy {policy!r}; expected one of {POLICIES}")
         self.store, self.cache, self.clock = store, cache, clock
         self.page_size = page_size
         self.policy = policy
-        self.scale = bytes_ratio / speedup
+        self.scale = bytes_ratio / speedup if link_bytes_per_s is None else 0.0
+        self.link_s_per_page = model_page_bytes / link_bytes_per_s if link_bytes_per_s else 0.0
         self.timeout_base, self.timeout_per_ki = timeout_base, timeout_per_ki_token
         self.publish = publish
         self.stats = PoolStats()
@@ -264,7 +270,13 @@ class PoolTier:
             if n.present & (1 << STORAGE):
                 self.cache.drop_tier(n, STORAGE)  # announced earlier, gone from the pool now
         self._flush_events()
-        load_s = query_s + get_s * self.scale
+        if self.link_s_per_page:
+            load_s = got * self.link_s_per_page
+            lag = self.clock.now() - (start + load_s)
+            if lag > st.max_lag_sim_s:
+                st.max_lag_sim_s = lag
+        else:
+            load_s = query_s + get_s * self.scale
         st.load_sim_s += load_s
         limit = float("inf")
         if self.policy == "timeout":

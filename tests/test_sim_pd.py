@@ -24,7 +24,7 @@ from simulator.cluster import SimCluster  # noqa: E402
 def pd():
     with SimCluster(workers=0, prefill=1, decode=1, startup_timeout=40,
                     engine_args=["--time-scale", "20", "--disaggregation-waiting-timeout", "1.5",
-                                 "--disaggregation-bootstrap-timeout", "1.5"]) as c:
+                                 "--disaggregation-bootstrap-timeout", "1.5", "--transfer-bandwidth-gbps", "50"]) as c:
         yield c
 
 
@@ -56,9 +56,9 @@ def test_pd_request_moves_kv_through_mooncake(pd):
     assert ps == 200 and ds == 200, (pout, dout)
     assert pout["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert len(pout["output_ids"]) == 1
-    assert pout["meta_info"]["kv_transfer"]["bytes"] == 3000 * 4096
     assert dout["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     assert dout["output_ids"][0] == pout["output_ids"][0]  # decode continues prefill's first token
+    assert pout["meta_info"]["kv_transfer"]["loopback_bytes"] == 3000 * 4096
     assert metric(durl, "sglang:kv_transfer_latency_ms_count") >= 1
     assert metric(purl, "sglang:kv_transfer_latency_ms_count") >= 1
     info = json.loads(urllib.request.urlopen(purl + "/server_info", timeout=5).read())
@@ -68,6 +68,31 @@ def test_pd_request_moves_kv_through_mooncake(pd):
     assert urllib.request.urlopen(boot + "/health", timeout=5).status == 200
     assert "rank_port" in json.loads(urllib.request.urlopen(boot + "/route?engine_rank=0&target_dp_group=0",
                                                             timeout=5).read())
+
+
+def server_info(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/server_info", timeout=5).read())
+
+
+def test_transfer_is_charged_as_the_models_kv_over_the_link(pd):
+    """Reported bytes are the profile's KV (llama3-8b: 128 KiB/token) and the time is those
+    bytes over --transfer-bandwidth-gbps in simulated time; loopback moves --kv-bytes-per-token."""
+    (purl, _), durl = pd.prefill[0], pd.decode[0]
+    before = {u: server_info(u)["simulator"]["pd_transfer"] for u in (purl, durl)}
+    (ps, pout), (ds, dout) = pd_request(pd, {"text": "Q" * 2000, "sampling_params": {"max_new_tokens": 3}})
+    assert ps == 200 and ds == 200, (pout, dout)
+    kv = pout["meta_info"]["kv_transfer"]
+    model_bytes = 2000 * 131072
+    assert kv["bytes"] == model_bytes and kv["loopback_bytes"] == 2000 * 4096
+    # one transfer on an idle link: exactly the link time, whatever loopback took
+    assert kv["latency_ms"] == pytest.approx(model_bytes / 50e9 * 1000)
+    for url in (purl, durl):
+        after = server_info(url)["simulator"]["pd_transfer"]
+        assert after["transfers"] - before[url]["transfers"] == 1
+        assert after["model_bytes"] - before[url]["model_bytes"] == model_bytes
+        assert after["loopback_bytes"] - before[url]["loopback_bytes"] == 2000 * 4096
+        assert after["sim_s"] - before[url]["sim_s"] == pytest.approx(model_bytes / 50e9)
+    assert metric(durl, "sglang:kv_transfer_speed_gb_s") == pytest.approx(50.0)
 
 
 def test_requests_without_room_are_400(pd):

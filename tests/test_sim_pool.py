@@ -234,3 +234,28 @@ def test_kvgate_up_pd_pool_serves():
         assert out["meta_info"]["completion_tokens"] == 8
     finally:
         proc.stop()
+
+
+def _pool_stats(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/server_info", timeout=5).read())["simulator"]["pool"]
+
+
+def test_link_timing_charges_the_models_bytes_over_the_storage_bandwidth():
+    """With --storage-timing link a pool load costs the profile's KV bytes (tiny-test: 128 KiB
+    per token) over --storage-bandwidth-gbps in simulated seconds, not its loopback time."""
+    prompt = _prompt(7, 2000)
+    pages = (len(prompt) - 1) // PAGE
+    engine = (*ENGINE, "--storage-timing", "link", "--storage-bandwidth-gbps", "10")
+    with SimCluster(workers=2, engine_args=engine, pool=True, pool_segment="32mb") as cluster:
+        a, b = cluster.urls
+        _post(a + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 2}})
+        deadline = time.monotonic() + 10
+        while _pool_stats(a)["backup_pages"] < pages and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pool_stats(a)["backup_pages"] >= pages
+        out = _post(b + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 2}})
+        assert out["meta_info"]["cached_tokens_details"]["storage"] == pages * PAGE
+        stats = _pool_stats(b)
+        assert stats["fetched_pages"] == pages and stats["speedup"] is None  # no calibration in link timing
+        assert stats["load_sim_s"] == pytest.approx(pages * PAGE * 131072 / 10e9)
+        assert stats["fetch_bytes"] == pages * PAGE * 1024  # what really moved: --kv-bytes-per-token
