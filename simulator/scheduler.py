@@ -213,6 +213,28 @@ class Scheduler:
         i.e. tokens pinned by requests (an idle cache is not load)."""
         return self.cache.locked_tokens + self.private_prompt + self.gen_tokens_running
 
+    def queued_prompt_tokens(self, hit_rate: float) -> tuple[int, int]:
+        """(uncached, all) prompt tokens waiting for prefill, counted as SGLang's load snapshot
+        does: every waiting prompt less its cached prefix, plus what the chunked prompt has
+        left. SGLang knows a waiting prompt's prefix only where its schedule policy matched
+        the queue (lpm, at most 128 waiting); otherwise it takes the recent hit rate."""
+        exact = self.policy == "lpm" and len(self.waiting) <= 128
+        uncached = total = 0
+        for r in self.waiting:
+            total += r.prompt_len
+            if exact and r.use_cache:
+                if r.hashes is None:
+                    self._hash_prompt(r)
+                hit = self.cache.match(r.hashes[: (r.prompt_len - 1) // self.page_size], touch=False).pages
+                uncached += r.prompt_len - hit * self.page_size
+            else:
+                uncached += round(r.prompt_len * (1.0 - hit_rate))
+        if self.chunked is not None:
+            rest = self.chunked.prompt_len - self.chunked.extended
+            uncached += rest
+            total += rest
+        return uncached, total
+
     def busy(self) -> bool:
         return bool(self.reqs)
 
