@@ -7,6 +7,7 @@ process group so nothing outlives a run.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -152,7 +153,26 @@ def start_smg(worker_urls: Sequence[str], policy: str, options: dict[str, str], 
 
     svc = start_service(make_args, log_path, "/readiness")
     svc.metrics_url = "http://127.0.0.1:" + svc.args[svc.args.index("--prometheus-port") + 1]
+    wait_smg_loads(svc, len(worker_urls) if not pd else sum(1 for x in pd if x.startswith("http")))
     return svc
+
+
+def wait_smg_loads(svc: Service, workers: int, timeout: float = 30.0) -> None:
+    """Block until SMG's load monitor has polled every worker once. Its first poll runs when
+    the first worker registers, the next one a --load-monitor-interval (10 s) later; until
+    then the workers it has no load for are scored in other units than the one it has, and
+    traffic sent in that window lands on one worker. A deployment is past that window
+    before it serves, so a benchmark waits it out too."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = http_get(svc.url + "/get_loads", timeout=2.0)
+        if status == 200:
+            loads = json.loads(body).get("loads") or []
+            if len({x["worker"] for x in loads if x.get("max_total_num_tokens", 0) > 0}) >= workers:
+                return
+        time.sleep(0.2)
+    svc.stop()
+    raise TimeoutError(f"SMG at {svc.url} polled fewer than {workers} workers' loads in {timeout:.0f}s:\n{svc.tail()}")
 
 
 ROUTERS = ("kvgate", "sglang-router", "smg")

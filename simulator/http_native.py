@@ -183,7 +183,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
         "simulator": {"profile": p.name, "kv_bytes_per_token": a.kv_bytes_per_token,
                       "host_pool_tokens": engine.host_tokens, **scheduler_stats(engine),
                       "pool": engine.pool_stats()},
-        "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
+        "internal_states": [{"last_gen_throughput": sum(r.scheduler.gen_throughput for r in engine.ranks),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }
     if engine.args.kv_events is not None:
@@ -285,7 +285,7 @@ async def v1_loads(request: web.Request) -> web.Response:
             "num_waiting_uncached_tokens": s["waiting_uncached"], "num_used_tokens": s["used"],
             "num_total_tokens": s["total"], "max_total_num_tokens": s["cap"],
             "max_running_requests": rank.scheduler.max_running, "token_usage": round(s["usage"], 4),
-            "gen_throughput": round(engine.metrics.gen_throughput() / len(engine.ranks), 2),
+            "gen_throughput": round(rank.scheduler.gen_throughput, 2),
             "cache_hit_rate": round(engine.metrics.cache_hit_rate, 4), "utilization": 0.0}
         if engine.host_tokens:
             load["hicache_host_used_tokens"] = rank.cache.tiers[1].used_tokens
@@ -308,6 +308,7 @@ async def metrics(request: web.Request) -> web.Response:
     values = {"num_running_reqs": sum(s["running"] for s in snaps), "num_queue_reqs": sum(s["waiting"] for s in snaps),
               "num_used_tokens": used, "max_total_num_tokens": cap, "token_usage": used / cap if cap else 0.0,
               "page_size": engine.page_size, "hicache_host_used_tokens": host_used,
+              "gen_throughput": sum(r.scheduler.gen_throughput for r in engine.ranks),
               "hicache_host_total_tokens": host_total}
     if engine.pd is not None:
         values.update(engine.pd.queue_gauges())

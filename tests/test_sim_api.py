@@ -205,6 +205,23 @@ def test_v1_loads_matches_sglang_and_counts_queued_prefill():
             queued.join(10)
 
 
+def test_gen_throughput_is_decode_speed_before_anything_finishes():
+    """gen_throughput as SGLang measures it, over recent decode steps: a router dividing queued
+    work by it must see a worker that decodes as working, not only one that finishes requests."""
+    with sim_worker("--time-scale", "5") as (url, _):
+        hog = threading.Thread(target=post, args=(url + "/generate", {
+            "text": "hog", "rid": "hog", "sampling_params": {"max_new_tokens": 100000}}))
+        hog.start()
+        try:
+            wait_until(lambda: get(url + "/v1/loads")["loads"][0]["gen_throughput"] > 0, "decode throughput")
+            metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+            line = next(ln for ln in metrics.splitlines() if ln.startswith("sglang:gen_throughput{"))
+            assert float(line.rsplit(" ", 1)[1]) > 0
+        finally:
+            post(url + "/abort_request", {"rid": "hog"})
+            hog.join(10)
+
+
 def test_flush_cache_refused_while_running_and_abort(worker):
     result = {}
 
