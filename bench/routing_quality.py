@@ -67,7 +67,7 @@ class RunSpec:
 
     @property
     def base_label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        opts = ",".join(f"{k}={v}" if v else k for k, v in self.options.items())
         return f"{self.router}:{self.policy}" + (f"[{opts}]" if opts else "")
 
 
