@@ -36,11 +36,13 @@ from bench.overhead import body, run_load, start_variants
 from bench.services import smg_python
 from tests.support import Proc
 
-PY_BUCKETS = (("aiohttp server", ("aiohttp/web", "aiohttp/http_writer", "aiohttp/base_protocol", "aiohttp/_http_parser")),
-              ("aiohttp client", ("aiohttp/client", "aiohttp/connector", "aiohttp/streams", "aiohttp/http_parser")),
-              ("gateway", ("/gateway/", "/policies/", "/index/", "/wire/")),
-              ("asyncio", ("asyncio/", "uvloop")),
-              ("metrics", ("prometheus_client",)))
+# py-spy names a frame "function (path/relative/to/sys.path.py:line)"
+PY_BUCKETS = (("aiohttp server", ("(aiohttp/web", "(aiohttp/http_writer", "(aiohttp/base_protocol", "(aiohttp/_http_parser")),
+              ("aiohttp client", ("(aiohttp/client", "(aiohttp/connector", "(aiohttp/streams", "(aiohttp/http_parser",
+                                  "(aiohttp/payload")),
+              ("gateway", ("(gateway/", "(policies/", "(index/", "(wire/")),
+              ("asyncio", ("(asyncio/", "uvloop")),
+              ("metrics", ("(prometheus_client",)))
 
 
 def perf_split(pid: int, seconds: float, out: Path) -> collections.Counter:
