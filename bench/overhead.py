@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if "smg" in names and a.smg_python:
         smg = subprocess.run([a.smg_python, "-c", "from importlib import metadata; print(metadata.version('smg'))"],
                              capture_output=True, text=True).stdout.strip()
-        pin += f"; smg {smg or '?'} from {a.smg_python}"
+        where = Path(a.smg_python)
+        pin += f"; smg {smg or '?'} from {where.relative_to(ROOT) if where.is_relative_to(ROOT) else where}"
     section = "\n".join([
         f"## {a.title} (`bench/overhead.py`)",
         "",
