@@ -171,8 +171,9 @@ def wait_smg_loads(svc: Service, workers: int, timeout: float = 30.0) -> None:
             if len({x["worker"] for x in loads if x.get("max_total_num_tokens", 0) > 0}) >= workers:
                 return
         time.sleep(0.2)
+    tail = svc.tail()
     svc.stop()
-    raise TimeoutError(f"SMG at {svc.url} polled fewer than {workers} workers' loads in {timeout:.0f}s:\n{svc.tail()}")
+    raise TimeoutError(f"SMG at {svc.url} polled fewer than {workers} workers' loads in {timeout:.0f}s:\n{tail}")
 
 
 ROUTERS = ("kvgate", "sglang-router", "smg")
