@@ -6,7 +6,8 @@ Variants (all in front of the same stub process(es), all alive for the whole run
 - ``kvgate``        ``python -m gateway serve --policy round_robin``
 - ``sglang-router`` ``python -m sglang_router.launch_router --policy round_robin`` (Rust)
 - ``smg``           ``python -m smg launch --policy round_robin``: the ``smg`` package (Rust; 1.13 was
-                    measured), from the interpreter ``--smg-python`` names
+                    measured), from the interpreter ``--smg-python`` names (default: ``.venv-smg``,
+                    which ``scripts/setup.sh --bench`` installs; left out when none is found)
 - ``kvgate-pN``     ``kvgate serve --processes N``, one variant per N in ``--kvgate-processes``
 - ``aiohttp-min``   ``bench/proxy_variants.py aiohttp``: bare aiohttp.web proxy
 - ``starlette-min`` ``bench/proxy_variants.py starlette``: Starlette+uvicorn proxy, same client
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.tables import machine, markdown, plain, versions, write_results  # noqa: F401 (bench.micro uses them from here)
+from bench.services import smg_python
 from tests.support import ROOT, Proc, child_env, free_port
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -102,7 +104,7 @@ def _wait_post(proc: Proc, url: str, timeout: float = 60.0) -> None:
 
 def start_variants(names: list[str], stubs: int, cpus: str, started: list[Proc],
                    kvgate_ref: Path | None = None, stub_cpus: str | None = None,
-                   smg_python: str = sys.executable) -> list[Variant]:
+                   smg_python: str | None = sys.executable) -> list[Variant]:
     """Every process goes into ``started`` as soon as it exists, so the caller stops them all
     even when a later one fails to come up."""
     stub_procs, stub_urls = [], []
@@ -131,7 +133,7 @@ def start_variants(names: list[str], stubs: int, cpus: str, started: list[Proc],
             proc = _start(name, cpus, *module, "--host", "127.0.0.1", "--port", str(port),
                           "--policy", "round_robin", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
                           "--prometheus-port", str(free_port()), "--worker-urls", *stub_urls,
-                          python=smg_python if name == "smg" else sys.executable)
+                          python=(smg_python or sys.executable) if name == "smg" else sys.executable)
         elif name in ("aiohttp-min", "starlette-min"):
             proc = _start(name, cpus, "bench.proxy_variants", name.split("-")[0], "--port", str(port),
                           "--upstream", *stub_urls)
@@ -234,6 +236,10 @@ def ratios(results, chunks: list[int]) -> list[str]:
         ratio(name, "sglang-router", "rps", "rps", f"{name} / sglang-router, non-stream req/s")
     ratio("kvgate", "sglang-router", "rps", "rps", "kvgate / sglang-router, non-stream req/s")
     ratio("kvgate", "sglang-router", "rps", "cpu_us", "kvgate / sglang-router, non-stream CPU per request")
+    ratio("kvgate", "smg", "rps", "rps", "kvgate / smg, non-stream req/s")
+    ratio("kvgate", "smg", "rps", "cpu_us", "kvgate / smg, non-stream CPU per request")
+    for n in chunks:
+        ratio("kvgate", "smg", f"sse{n}", "rps", f"kvgate / smg, streams/s ({n} chunks)")
     for n in chunks:
         ratio("kvgate", "sglang-router", f"sse{n}", "rps", f"kvgate / sglang-router, streams/s ({n} chunks)")
     ratio("aiohttp-min", "starlette-min", "rps", "rps", "aiohttp-min / starlette-min, non-stream req/s")
@@ -250,14 +256,16 @@ def ratios(results, chunks: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS,
+                   default=[v for v in VARIANTS if v != "smg" or smg_python()])
     p.add_argument("--kvgate-ref", type=Path, metavar="DIR",
                    help="also run the kvgate found in DIR (e.g. `git archive main | tar -x -C DIR`) as 'kvgate-ref'")
     p.add_argument("--stubs", type=int, default=1, help="stub backend processes behind each router")
     p.add_argument("--kvgate-processes", type=int, nargs="+", default=[], metavar="N",
                    help="also run `kvgate serve --processes N` as 'kvgate-pN', for each N")
-    p.add_argument("--smg-python", default=sys.executable,
-                   help="the interpreter whose environment has the smg package, for the 'smg' variant")
+    p.add_argument("--smg-python", default=smg_python(),
+                   help="the interpreter whose environment has the smg package, for the 'smg' variant "
+                        "(default: $SMG_PYTHON, else .venv-smg)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--duration", type=int, default=3, help="seconds per throughput run")
     p.add_argument("--latency-duration", type=int, default=2, help="seconds per 1-connection latency run")
@@ -338,10 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     pin = (f"load generator on CPU {a.load_cpu} ({a.load_threads} wrk threads), routers on CPU {a.server_cpus},"
            f" stubs on CPU {a.server_cpus if a.stub_cpus is None else a.stub_cpus} (taskset)"
            if a.load_cpu or a.server_cpus else "unpinned")
-    if "smg" in names:
+    if "smg" in names and a.smg_python:
         smg = subprocess.run([a.smg_python, "-c", "from importlib import metadata; print(metadata.version('smg'))"],
                              capture_output=True, text=True).stdout.strip()
-        pin += f"; smg {smg or '?'} from {a.smg_python}"
+        where = Path(a.smg_python)
+        pin += f"; smg {smg or '?'} from {where.relative_to(ROOT) if where.is_relative_to(ROOT) else where}"
     section = "\n".join([
         f"## {a.title} (`bench/overhead.py`)",
         "",

@@ -6,7 +6,9 @@ pairs them), KV moved prefill -> decode through the Mooncake transfer engine ove
 The same Mooncake-trace requests arrive on the same schedule; latencies are SIMULATED
 seconds (wall time x ``--time-scale``). What disaggregation buys is decode steps that never
 stall behind a long prefill (TPOT); what it costs is the KV transfer (the model's KV over the
-simulated link) and half the prefill capacity (TTFT under load).
+simulated link) and half the prefill capacity (TTFT under load). With SMG installed (``--smg``, default
+``cache_aware`` when ``bench.services.smg_python`` finds it), every PD split is also run behind SMG's
+own PD router (``smg launch --pd-disaggregation``), a peer row on the same simulated fleet.
 
     PYTHONPATH=$PWD python -m bench.pd_vs_colocated            # ~5 min
     PYTHONPATH=$PWD python -m bench.pd_vs_colocated --quick
@@ -27,7 +29,7 @@ from simulator.cluster import SimCluster
 
 from .replay import replay, summarize
 from .routing_quality import DEFAULT_TRACE, machine
-from .services import Service, free_port
+from .services import Service, free_port, smg_python, start_smg
 from .trace import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,10 +43,10 @@ def start_gateway(args: list[str], log: Path) -> Service:
     return Service(cmd, log, f"http://127.0.0.1:{port}").wait_ready("/readiness")
 
 
-def run(mode: str, n_prefill: int, a: argparse.Namespace, records, out: Path) -> dict:
+def run(mode: str, n_prefill: int, a: argparse.Namespace, records, out: Path, smg: str | None = None) -> dict:
     engine_args = ["--profile", a.profile, "--time-scale", str(a.time_scale),
                    "--kv-bytes-per-token", str(a.kv_bytes_per_token)]
-    logs = out / f"{mode}{n_prefill or ''}"
+    logs = out / f"{mode}{n_prefill or ''}{'-smg' if smg else ''}"
     logs.mkdir(parents=True, exist_ok=True)
     if mode == "colocated":
         cluster = SimCluster(workers=a.gpus, engine_args=engine_args, log_dir=str(logs), startup_timeout=90)
@@ -55,18 +57,28 @@ def run(mode: str, n_prefill: int, a: argparse.Namespace, records, out: Path) ->
         if mode == "colocated":
             gw_args = ["--policy", "cost", "--worker-urls", *cluster.urls]
         else:
-            gw_args = ["--pd-disaggregation", "--policy", "pd_cost"]
+            pd = ["--pd-disaggregation"]
             for url, port in cluster.prefill:
-                gw_args += ["--prefill", url, str(port)]
+                pd += ["--prefill", url, str(port)]
             for url in cluster.decode:
-                gw_args += ["--decode", url]
-        gw = start_gateway(gw_args, logs / "gateway.log")
+                pd += ["--decode", url]
+            gw_args = [*pd, "--policy", "pd_cost"]
+        gw = (start_smg([], smg, {}, logs / "smg.log", pd=pd) if smg
+              else start_gateway(gw_args, logs / "gateway.log"))
         try:
             res = asyncio.run(replay(records, gw.url, api="generate", speedup=a.time_scale * a.arrival_speedup,
                                      concurrency=4096, time_scale=a.time_scale, timeout=600))
         finally:
             gw.stop()
     return summarize(res.rows, res.wall_s, res.time_scale)
+
+
+def smg_version() -> str:
+    import subprocess
+
+    py = smg_python()
+    return subprocess.run([py, "-c", "from importlib import metadata; print(metadata.version('smg'))"],
+                          capture_output=True, text=True).stdout.strip() if py else "?"
 
 
 def fmt(v, scale=1.0, digits=3) -> str:
@@ -108,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-bytes-per-token", type=int, default=64,
                    help="bytes really moved per prompt token; the 64 MB transfer buffer must hold the "
                         "prompts in flight (4096 B/token makes a 120k-token prompt 490 MB)")
+    p.add_argument("--smg", default="cache_aware" if smg_python() else None, metavar="POLICY",
+                   help="also run every PD split behind SMG with this policy (default cache_aware when smg is "
+                        "installed; '' for none)")
     p.add_argument("--quick", action="store_true", help="150 requests")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "pd"))
     p.add_argument("--no-results", action="store_true")
@@ -119,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     results: dict[str, dict] = {}
     started = time.monotonic()
-    runs = [("colocated", 0)] + [("pd", p) for p in (a.prefill or [a.gpus // 2]) if 0 < p < a.gpus]
-    for mode, n_prefill in runs:
-        name = f"{a.gpus} unified (cost)" if mode == "colocated" else f"{n_prefill}P + {a.gpus - n_prefill}D (pd_cost)"
+    splits = [p for p in (a.prefill or [a.gpus // 2]) if 0 < p < a.gpus]
+    runs = [("colocated", 0, None)] + [("pd", p, r) for p in splits for r in [None] + ([a.smg] if a.smg else [])]
+    for mode, n_prefill, smg in runs:
+        name = (f"{a.gpus} unified (cost)" if mode == "colocated" else
+                f"{n_prefill}P + {a.gpus - n_prefill}D ({f'smg {smg}' if smg else 'pd_cost'})")
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        results[name] = run(mode, n_prefill, a, records, out)
+        results[name] = run(mode, n_prefill, a, records, out, smg)
     cmd = "PYTHONPATH=$PWD python -m bench.pd_vs_colocated " + shlex.join(argv if argv is not None else sys.argv[1:])
     colocated = next(iter(results.values()))
     ratio = lambda run, k: f"{run[k] / colocated[k]:.2f}x" if colocated.get(k) and run.get(k) else "-"
@@ -141,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         table(results), "", *ratios,
         "- The hit-rate column is what the client sees: in PD that is decode's meta_info, and decode does "
         "not prefix-cache (SGLang's default); prefill's hits show in the gateway's kvgate_cached_tokens_total.",
+        *([f"- smg rows: SMG {smg_version()} (`smg launch --pd-disaggregation --policy {a.smg}`, its defaults "
+           "otherwise) on the same simulated prefill and decode workers."] if a.smg else []),
         f"- KV transfer: {a.kv_bytes_per_token} B/token really moved over loopback; charged as the profile's "
         "KV (128 KiB/token) over the simulator's --transfer-bandwidth-gbps (25 GB/s): a 12k-token prompt's "
         "1.6 GB adds ~65 ms.",

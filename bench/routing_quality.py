@@ -1,4 +1,4 @@
-"""Routing quality: the same Mooncake trace slice through kvgate's policies and sglang-router.
+"""Routing quality: the same Mooncake trace slice through kvgate's policies, sglang-router and SMG.
 
 Every run gets a fresh simulated cluster (no warm caches shared between runs), the same
 request set and the same arrival schedule. Latencies are in SIMULATED seconds. Arrivals
@@ -39,7 +39,7 @@ from simulator.profiles import get_profile
 
 from . import hit_loss
 from .replay import ReplayResult, replay, summarize
-from .services import Service, http_get, start_kvgate, start_sglang_router
+from .services import Service, http_get, smg_python, start_router
 from .trace import TraceRecord, bounded_oracle_hit_rate, conversation_keys, load_trace, oracle_hit_rate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ FULL_TRACE_ORACLE = 0.374  # bench.trace.oracle_hit_rate over all 12031 requests
 
 @dataclass
 class RunSpec:
-    router: str  # kvgate | sglang-router
+    router: str  # kvgate | sglang-router | smg (bench.services.start_router)
     policy: str
     options: dict[str, str] = field(default_factory=dict)
     replicas: int = 1  # kvgate instances, the client round-robining requests across them (as a Service)
@@ -67,15 +67,15 @@ class RunSpec:
 
     @property
     def base_label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
-        name = "kvgate" if self.router == "kvgate" else "sglang-router"
-        return f"{name}:{self.policy}" + (f"[{opts}]" if opts else "")
+        opts = ",".join(f"{k}={v}" if v else k for k, v in self.options.items())
+        return f"{self.router}:{self.policy}" + (f"[{opts}]" if opts else "")
 
 
 def parse_spec(router: str, text: str) -> RunSpec:
-    """``cost`` or ``cost[index=precise,temperature=0.01]``."""
-    name, _, rest = text.partition("[")
-    opts = dict(kv.split("=", 1) for kv in rest.rstrip("]").split(",") if kv) if rest else {}
+    """``cost``, ``cost[index=precise,temperature=0.01]`` or ``cost:index=precise``; an
+    option without ``=`` is a switch (``cache_aware:disable_worker_overload_protection``)."""
+    name, sep, rest = text.partition("[") if "[" in text else text.partition(":")
+    opts = {k: v for k, _, v in (kv.partition("=") for kv in rest.rstrip("]").split(",") if kv)} if sep else {}
     return RunSpec(router, name, opts)
 
 
@@ -109,6 +109,23 @@ def kvgate_policy_stats(url: str) -> dict[str, float]:
     held = {"kvgate_held_total", "kvgate_hold_seconds_sum"}
     vals = prom_values(body.decode(), {"kvgate_policy_stat"} | held)
     return {name if name in held else dict(labels)["stat"]: v for (name, labels), v in vals.items()}
+
+
+def smg_stats(url: str) -> dict[str, float]:
+    """SMG's own account of its decisions: cache-aware branches (tree_match, spill,
+    expected_wait_fallback, ...), requests sent anyway while every worker was overloaded,
+    and stall/overload transitions."""
+    _, body = http_get(url + "/metrics")
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            if s.name == "smg_cache_aware_policy_branch_total":
+                out[f"decisions_{s.labels['branch']}_total"] = s.value
+            elif s.name in ("smg_worker_overload_fallback_total", "smg_worker_liveness_fallback_total",
+                            "smg_worker_stall_transitions_total", "smg_worker_overload_shed_total"):
+                key = s.name.removeprefix("smg_worker_").removesuffix("_total")
+                out[f"decisions_{key}_total"] = out.get(f"decisions_{key}_total", 0.0) + s.value
+    return out
 
 
 # ---- load model -------------------------------------------------------------------------------
@@ -149,11 +166,8 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
         if spec.shared:
             extra = ["--state-url", stack.enter_context(EmbeddedNats()).url]
         for i in range(spec.replicas):
-            if spec.router == "kvgate":
-                routers.append(start_kvgate(cluster.urls, spec.policy, spec.options, logs / f"router{i}.log",
-                                            extra=extra))
-            else:
-                routers.append(start_sglang_router(cluster.urls, spec.policy, spec.options, logs / f"router{i}.log"))
+            routers.append(start_router(spec.router, cluster.urls, spec.policy, spec.options, logs / f"router{i}.log",
+                                        extra=extra))
             stack.callback(routers[-1].stop)
         router = routers[0]
         try:
@@ -167,7 +181,8 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
                 session_keys=conversation_keys(records) if a.session_keys else None))
             print(file=sys.stderr)
             workers = [worker_stats(u) for u in cluster.urls]
-            pstats = kvgate_policy_stats(router.url) if spec.router == "kvgate" else {}
+            pstats = (kvgate_policy_stats(router.url) if spec.router == "kvgate"
+                      else smg_stats(router.metrics_url) if spec.router == "smg" else {})
         finally:
             stack.close()
         dead = cluster.dead()
@@ -259,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"kvgate policies, optionally with options: cost[index=precise] (default {KVGATE_POLICIES})")
     p.add_argument("--sglang-router", nargs="*", default=None, metavar="POLICY",
                    help=f"sglang-router policies (default {ROUTER_POLICIES})")
+    p.add_argument("--smg", nargs="*", default=None, metavar="POLICY",
+                   help="SMG policies with its `smg launch` options: cache_aware:disable_worker_overload_protection,"
+                        "selection_temperature=0.1 (default cache_aware when smg is installed, see bench/README.md)")
     p.add_argument("--replicas", type=int, nargs="+", default=[1],
                    help="kvgate replicas per run, the client round-robining across them (e.g. 1 2 4)")
     p.add_argument("--share", choices=["on", "off", "both"], default="on",
@@ -304,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = [dataclasses.replace(s, replicas=r, shared=r > 1 and shared) for s in specs for r in a.replicas
              for shared in (shares if r > 1 else [False])]
     specs += [parse_spec("sglang-router", t) for t in (ROUTER_POLICIES if a.sglang_router is None else a.sglang_router)]
+    specs += [parse_spec("smg", t) for t in (a.smg if a.smg is not None else ["cache_aware"] if smg_python() else [])]
     host = machine()  # load average before this benchmark adds its own
     records = load_trace(trace, a.limit)
     prof = get_profile(a.profile)

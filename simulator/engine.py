@@ -423,8 +423,11 @@ class Engine:
         for r in self.ranks:
             s = r.scheduler
             used = s.load_tokens
+            # a decode worker prefills nothing: SGLang reports no queued prefill for it
+            uncached, queued = s.queued_prompt_tokens(self.metrics.cache_hit_rate) if self.mode != "decode" else (0, 0)
             out.append({"dp_rank": r.index, "running": s.running_count, "waiting": s.waiting_count, "used": used,
-                        "cap": cap, "usage": used / cap if cap else 0.0})
+                        "cap": cap, "usage": used / cap if cap else 0.0, "waiting_uncached": uncached,
+                        "total": used + queued})
         return out
 
     def fault_roll(self, rate: float) -> bool:

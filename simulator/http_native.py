@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
 import time
@@ -203,7 +204,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
                       "host_pool_tokens": engine.host_tokens, **scheduler_stats(engine),
                       "pool": engine.pool_stats(), "cached_by_tier": dict(engine.cached_by_tier),
                       "pd_transfer": engine.pd.stats.as_dict() if engine.pd is not None else None},
-        "internal_states": [{"last_gen_throughput": engine.metrics.gen_throughput(),
+        "internal_states": [{"last_gen_throughput": sum(r.scheduler.gen_throughput for r in engine.ranks),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }
     if engine.args.kv_events is not None:
@@ -262,21 +263,60 @@ async def get_load(request: web.Request) -> web.Response:
                           for s in engine.load_snapshots()])
 
 
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+def _load_sections(engine: Engine, s: dict, rank: Any) -> dict[str, Any]:
+    """The optional sections of one rank's load record, by their ``include`` names."""
+    p, pd = engine.profile, engine.pd.queue_gauges() if engine.pd is not None else {}
+    return {
+        "memory": {"weight_gb": round(p.weight_bytes_per_gpu / 1e9, 3),
+                   "kv_cache_gb": round(s["cap"] * p.kv_bytes_per_token / p.tp / 1e9, 3),
+                   "graph_gb": 0.0, "token_capacity": s["cap"]},  # no CUDA graphs are simulated
+        "spec": None, "lora": None,  # no speculative decoding, no LoRA
+        "disagg": {"mode": engine.mode,
+                   "prefill_bootstrap_queue_reqs": pd.get("num_prefill_bootstrap_queue_reqs", 0),
+                   "prefill_inflight_queue_reqs": 0,
+                   "decode_prealloc_queue_reqs": pd.get("num_decode_prealloc_queue_reqs", 0),
+                   "decode_transfer_queue_reqs": pd.get("num_decode_transfer_queue_reqs", 0),
+                   "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+        "queues": {"waiting": len(rank.scheduler.waiting), "grammar": 0, "paused": 0, "retracted": 0},
+    }
+
+
 async def v1_loads(request: web.Request) -> web.Response:
+    """SGLang's ``/v1/loads``: ``{timestamp (ISO 8601), version, loads: [per DP rank]}``, the
+    twelve core fields always, the sections ``include`` names (default all; an unknown one
+    is a 400), one rank with ``dp_rank``."""
     engine = request.app[ENGINE]
     if engine.vt < (0, 5, 10):
         raise web.HTTPNotFound()
+    include = [x.strip() for x in request.query.get("include", "all").split(",") if x.strip()] or ["all"]
+    bad = [x for x in include if x not in LOAD_SECTIONS]
+    if bad:
+        return json_response({"detail": f"Invalid include section(s) {bad}; valid: {', '.join(LOAD_SECTIONS)}"}, 400)
+    only = request.query.get("dp_rank")
+    keys = {"memory": "memory", "spec": "speculative", "lora": "lora", "disagg": "disaggregation", "queues": "queues"}
     loads = []
     for s, rank in zip(engine.load_snapshots(), engine.ranks):
-        load = {"dp_rank": s["dp_rank"], "num_running_reqs": s["running"], "num_waiting_reqs": s["waiting"],
-                "num_used_tokens": s["used"], "max_total_num_tokens": s["cap"], "token_usage": round(s["usage"], 6),
-                "cache_hit_rate": round(engine.metrics.cache_hit_rate, 6),
-                "gen_throughput": engine.metrics.gen_throughput() / len(engine.ranks)}
+        if only is not None and str(s["dp_rank"]) != only:
+            continue
+        load: dict[str, Any] = {
+            "dp_rank": s["dp_rank"], "num_running_reqs": s["running"], "num_waiting_reqs": s["waiting"],
+            "num_waiting_uncached_tokens": s["waiting_uncached"], "num_used_tokens": s["used"],
+            "num_total_tokens": s["total"], "max_total_num_tokens": s["cap"],
+            "max_running_requests": rank.scheduler.max_running, "token_usage": round(s["usage"], 4),
+            "gen_throughput": round(rank.scheduler.gen_throughput, 2),
+            "cache_hit_rate": round(engine.metrics.cache_hit_rate, 4), "utilization": 0.0}
         if engine.host_tokens:
             load["hicache_host_used_tokens"] = rank.cache.tiers[1].used_tokens
             load["hicache_host_total_tokens"] = rank.cache.tiers[1].capacity_tokens
+        sections = _load_sections(engine, s, rank)
+        load.update({keys[k]: v for k, v in sections.items() if "all" in include or k in include})
         loads.append(load)
-    return json_response({"timestamp": time.time(), "version": engine.version, "loads": loads})
+    return json_response({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                          "version": engine.version, "accelerator": None,
+                          "num_accelerators": engine.args.tp_size or engine.profile.tp, "loads": loads})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -289,6 +329,7 @@ async def metrics(request: web.Request) -> web.Response:
     values = {"num_running_reqs": sum(s["running"] for s in snaps), "num_queue_reqs": sum(s["waiting"] for s in snaps),
               "num_used_tokens": used, "max_total_num_tokens": cap, "token_usage": used / cap if cap else 0.0,
               "page_size": engine.page_size, "hicache_host_used_tokens": host_used,
+              "gen_throughput": sum(r.scheduler.gen_throughput for r in engine.ranks),
               "hicache_host_total_tokens": host_total}
     if engine.pd is not None:
         values.update(engine.pd.queue_gauges())

@@ -6,7 +6,6 @@ nothing for them; counters and histograms are fed once per finished request.
 
 from __future__ import annotations
 
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -64,8 +63,6 @@ class Metrics:
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", _LAT_BUCKETS).labels(**self.labels)
         self.kv_transfer_ms = h("kv_transfer_latency_ms", "KV transfer latency (ms).", _MS_BUCKETS).labels(**self.labels)
         self.kv_transfer_speed = g("kv_transfer_speed_gb_s", "KV transfer speed (GB/s).").labels(**self.labels)
-        self._last_gen = 0.0
-        self._last_t = time.monotonic()
         self.gen_total = 0
         self.prompt_total = 0
         self.cached_total = 0
@@ -91,18 +88,8 @@ class Metrics:
     def cache_hit_rate(self) -> float:
         return self.cached_total / self.prompt_total if self.prompt_total else 0.0
 
-    def gen_throughput(self) -> float:
-        now = time.monotonic()
-        dt = now - self._last_t
-        if dt < 0.5:
-            return self._last_rate if hasattr(self, "_last_rate") else 0.0
-        rate = (self.gen_total - self._last_gen) / dt
-        self._last_gen, self._last_t, self._last_rate = self.gen_total, now, rate
-        return rate
-
     def render(self, values: dict[str, float]) -> bytes:
         for k, v in values.items():
             self.gauges[k].set(v)
-        self.gauges["gen_throughput"].set(self.gen_throughput())
         self.gauges["cache_hit_rate"].set(self.cache_hit_rate)
         return generate_latest(self.registry)

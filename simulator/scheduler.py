@@ -30,6 +30,7 @@ log = logging.getLogger("simulator.scheduler")
 
 RESERVE_RATIO = 0.3  # SGLang's new_token_ratio decays from 0.7 towards ~0.14; a middle value
 CLIP_MAX_NEW = 4096  # SGLang's CLIP_MAX_NEW_TOKENS for the reservation estimate
+DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval: gen_throughput is measured over this many decode steps
 
 WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
 
@@ -121,6 +122,12 @@ class Scheduler:
         self.lag_max_s = 0.0
         self.lag_sum_s = 0.0
         self._lag_warned = -1e9
+        # SGLang's gen_throughput: tokens the last DECODE_LOG_INTERVAL decode steps produced per
+        # wall second they spanned (prefill steps between them included), kept while idle
+        self.gen_throughput = 0.0
+        self._gen_tokens = 0
+        self._gen_steps = 0
+        self._gen_tic = time.monotonic()
         self._task: asyncio.Task | None = None
         self.pool = None  # pool_tier.PoolTier: requests visit the Mooncake pool before queueing
         self._prefetching: set[asyncio.Task] = set()
@@ -213,6 +220,28 @@ class Scheduler:
         i.e. tokens pinned by requests (an idle cache is not load)."""
         return self.cache.locked_tokens + self.private_prompt + self.gen_tokens_running
 
+    def queued_prompt_tokens(self, hit_rate: float) -> tuple[int, int]:
+        """(uncached, all) prompt tokens waiting for prefill, counted as SGLang's load snapshot
+        does: every waiting prompt less its cached prefix, plus what the chunked prompt has
+        left. SGLang knows a waiting prompt's prefix only where its schedule policy matched
+        the queue (lpm, at most 128 waiting); otherwise it takes the recent hit rate."""
+        exact = self.policy == "lpm" and len(self.waiting) <= 128
+        uncached = total = 0
+        for r in self.waiting:
+            total += r.prompt_len
+            if exact and r.use_cache:
+                if r.hashes is None:
+                    self._hash_prompt(r)
+                hit = self.cache.match(r.hashes[: (r.prompt_len - 1) // self.page_size], touch=False).pages
+                uncached += r.prompt_len - hit * self.page_size
+            else:
+                uncached += round(r.prompt_len * (1.0 - hit_rate))
+        if self.chunked is not None:
+            rest = self.chunked.prompt_len - self.chunked.extended
+            uncached += rest
+            total += rest
+        return uncached, total
+
     def busy(self) -> bool:
         return bool(self.reqs)
 
@@ -224,6 +253,7 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 self.sim_now = max(self.sim_now, self.clock.now())  # idle GPU: time jumps
+                self._gen_tokens, self._gen_steps, self._gen_tic = 0, 0, time.monotonic()  # idle is not decode time
                 continue
             self._take_ready()
             parts, host_load = self._form_extend()
@@ -440,6 +470,12 @@ class Scheduler:
 
     def _apply_decode(self) -> None:
         self.steps += 1
+        self._gen_tokens += self.n_run
+        self._gen_steps += 1
+        if self._gen_steps >= DECODE_LOG_INTERVAL:
+            now = time.monotonic()
+            self.gen_throughput = self._gen_tokens / max(now - self._gen_tic, 1e-6)
+            self._gen_tokens, self._gen_steps, self._gen_tic = 0, 0, now
         over = self.used_tokens - self.capacity
         if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang;
             # a small margin (1% of the pool) keeps this from running every single step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -10,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.support import request_json
+from tests.support import request_json, wait_until
 
 from tests.sim_support import sim_worker
 
@@ -162,6 +163,63 @@ def test_info_models_load_routes(worker):
     metrics = urllib.request.urlopen(worker + "/metrics", timeout=5).read().decode()
     assert 'sglang:num_running_reqs{engine_type="unified",model_name="sim-llama-8b",pp_rank="0",tp_rank="0"}' in metrics
     assert "sglang:time_to_first_token_seconds_bucket" in metrics
+
+
+LOAD_CORE = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens", "num_used_tokens",
+             "num_total_tokens", "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput",
+             "cache_hit_rate", "utilization"}
+
+
+def test_v1_loads_matches_sglang_and_counts_queued_prefill():
+    """/v1/loads as SGLang serves it (a router's serde rejects a record that differs, e.g. a
+    numeric timestamp): an ISO 8601 timestamp, the twelve core fields, the sections
+    ``include`` names, 400 for an unknown one; the queued prompt less its cached prefix."""
+    with sim_worker("--time-scale", "5", "--max-running-requests", "1", "--schedule-policy", "lpm") as (url, _):
+        prompt = "P" * 1000  # one token per byte: 15 full pages of 64 cached after it ran
+        assert post(url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}})[0] == 200
+        hog = threading.Thread(target=post, args=(url + "/generate", {
+            "text": "hog", "rid": "hog", "sampling_params": {"max_new_tokens": 100000}}))
+        queued = threading.Thread(target=post, args=(url + "/generate", {
+            "text": prompt + "Q" * 500, "sampling_params": {"max_new_tokens": 1}}))
+        hog.start()
+        wait_until(lambda: get(url + "/v1/loads")["loads"][0]["num_running_reqs"] == 1, "the hog runs")
+        queued.start()
+        try:
+            core = wait_until(lambda: next((r for r in get(url + "/v1/loads?include=core")["loads"]
+                                            if r["num_waiting_reqs"] == 1), None), "one request queued")
+            assert set(core) == LOAD_CORE
+            assert core["num_waiting_uncached_tokens"] == 1500 - 15 * 64
+            assert core["num_total_tokens"] == core["num_used_tokens"] + 1500
+            assert core["max_running_requests"] == 1 and core["max_total_num_tokens"] > 0
+            full = get(url + "/v1/loads")
+            datetime.datetime.fromisoformat(full["timestamp"])
+            assert full["version"] == "0.5.23" and full["loads"][0]["queues"]["waiting"] == 1
+            assert full["loads"][0]["disaggregation"]["mode"] == "null"
+            assert full["loads"][0]["memory"]["token_capacity"] == core["max_total_num_tokens"]
+            status, body = request_json("GET", url + "/v1/loads?include=core,bogus")
+            assert status == 400 and "bogus" in body["detail"]
+            assert get(url + "/v1/loads?dp_rank=3")["loads"] == []
+        finally:
+            post(url + "/abort_request", {"rid": "hog"})
+            hog.join(10)
+            queued.join(10)
+
+
+def test_gen_throughput_is_decode_speed_before_anything_finishes():
+    """gen_throughput as SGLang measures it, over recent decode steps: a router dividing queued
+    work by it must see a worker that decodes as working, not only one that finishes requests."""
+    with sim_worker("--time-scale", "5") as (url, _):
+        hog = threading.Thread(target=post, args=(url + "/generate", {
+            "text": "hog", "rid": "hog", "sampling_params": {"max_new_tokens": 100000}}))
+        hog.start()
+        try:
+            wait_until(lambda: get(url + "/v1/loads")["loads"][0]["gen_throughput"] > 0, "decode throughput")
+            metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+            line = next(ln for ln in metrics.splitlines() if ln.startswith("sglang:gen_throughput{"))
+            assert float(line.rsplit(" ", 1)[1]) > 0
+        finally:
+            post(url + "/abort_request", {"rid": "hog"})
+            hog.join(10)
 
 
 def test_flush_cache_refused_while_running_and_abort(worker):
