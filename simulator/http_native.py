@@ -158,11 +158,11 @@ def scheduler_stats(engine: Engine) -> dict[str, float]:
     (benchmarks check these to tell a loaded GPU from a starved CPU)."""
     scheds = [r.scheduler for r in engine.ranks]
     return {"forward_steps": sum(s.forward_steps for s in scheds), "busy_sim_s": sum(s.busy_sim for s in scheds),
-            "lag_max_s": max((s.lag_max_s for s in scheds), default=0.0),
-            "lag_sum_s": sum(s.lag_sum_s for s in scheds),
+            "lag_max_s": max((s.stats.lag_max_s for s in scheds), default=0.0),
+            "lag_sum_s": sum(s.stats.lag_sum_s for s in scheds),
             # > 0 means this process could not keep up with --time-scale (CPU-bound): lower
             # the time scale for faithful latencies (bench.replay reads this name)
-            "max_lag_sim_s": max((s.lag_max_s for s in scheds), default=0.0)}
+            "max_lag_sim_s": max((s.stats.lag_max_s for s in scheds), default=0.0)}
 
 
 def server_info(engine: Engine) -> dict[str, Any]:
@@ -204,7 +204,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
                       "host_pool_tokens": engine.host_tokens, **scheduler_stats(engine),
                       "pool": engine.pool_stats(), "cached_by_tier": dict(engine.cached_by_tier),
                       "pd_transfer": engine.pd.stats.as_dict() if engine.pd is not None else None},
-        "internal_states": [{"last_gen_throughput": sum(r.scheduler.gen_throughput for r in engine.ranks),
+        "internal_states": [{"last_gen_throughput": sum(r.scheduler.stats.gen_throughput for r in engine.ranks),
                              "memory_usage": {"token_capacity": p.max_total_num_tokens}}],
     }
     if engine.args.kv_events is not None:
@@ -306,7 +306,7 @@ async def v1_loads(request: web.Request) -> web.Response:
             "num_waiting_uncached_tokens": s["waiting_uncached"], "num_used_tokens": s["used"],
             "num_total_tokens": s["total"], "max_total_num_tokens": s["cap"],
             "max_running_requests": rank.scheduler.max_running, "token_usage": round(s["usage"], 4),
-            "gen_throughput": round(rank.scheduler.gen_throughput, 2),
+            "gen_throughput": round(rank.scheduler.stats.gen_throughput, 2),
             "cache_hit_rate": round(engine.metrics.cache_hit_rate, 4), "utilization": 0.0}
         if engine.host_tokens:
             load["hicache_host_used_tokens"] = rank.cache.tiers[1].used_tokens
@@ -329,7 +329,7 @@ async def metrics(request: web.Request) -> web.Response:
     values = {"num_running_reqs": sum(s["running"] for s in snaps), "num_queue_reqs": sum(s["waiting"] for s in snaps),
               "num_used_tokens": used, "max_total_num_tokens": cap, "token_usage": used / cap if cap else 0.0,
               "page_size": engine.page_size, "hicache_host_used_tokens": host_used,
-              "gen_throughput": sum(r.scheduler.gen_throughput for r in engine.ranks),
+              "gen_throughput": sum(r.scheduler.stats.gen_throughput for r in engine.ranks),
               "hicache_host_total_tokens": host_total}
     if engine.pd is not None:
         values.update(engine.pd.queue_gauges())

@@ -17,66 +17,17 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from wire.hashing import digest_to_int64, page_digests, salt_seed
 
+from . import kv_admission, queue_order
 from .clock import SimClock
 from .cost_model import CostModel
-from .generation import Planned
 from .radix_cache import RadixCache
+from .request import FINISHED, PREFILL, RUNNING, WAITING, Req
+from .step_stats import StepStats
 
 log = logging.getLogger("simulator.scheduler")
-
-RESERVE_RATIO = 0.3  # SGLang's new_token_ratio decays from 0.7 towards ~0.14; a middle value
-CLIP_MAX_NEW = 4096  # SGLang's CLIP_MAX_NEW_TOKENS for the reservation estimate
-DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval: gen_throughput is measured over this many decode steps
-
-WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
-
-
-@dataclass(eq=False, slots=True)
-class Req:
-    rid: str
-    input_ids: list[int]
-    planned: Planned
-    cache_salt: str | None = None
-    priority: int | None = None
-    prefilled: bool = False  # PD decode: KV arrived from prefill, skip the extend
-    use_cache: bool = True
-    dp_rank: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    state: str = WAITING
-    digests: list[bytes] | None = None
-    hashes: list[int] | None = None
-    cached_device: int = 0
-    cached_host: int = 0
-    cached_storage: int = 0  # loaded from the Mooncake pool (HiCache L3)
-    pool: object = None  # pool_tier.Prefetch, when a storage backend is on
-    extended: int = 0
-    node: object = None
-    locked_len: int = 0
-    decode_start: int = 0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    abort_message: str | None = None
-    done: asyncio.Future | None = None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def out_len(self) -> int:
-        return len(self.planned.out)
-
-    @property
-    def max_new(self) -> int:
-        return min(self.out_len, CLIP_MAX_NEW)
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host + self.cached_storage
 
 
 class Scheduler:
@@ -116,18 +67,7 @@ class Scheduler:
         self._last_yield = time.monotonic()
         self.forward_steps = 0
         self.busy_sim = 0.0
-        # How far simulated time fell behind the clock (simulated seconds): a CPU-starved
-        # process cannot keep up with --time-scale, and every latency it reports grows.
-        self.lag_sim = 0.0  # right now
-        self.lag_max_s = 0.0
-        self.lag_sum_s = 0.0
-        self._lag_warned = -1e9
-        # SGLang's gen_throughput: tokens the last DECODE_LOG_INTERVAL decode steps produced per
-        # wall second they spanned (prefill steps between them included), kept while idle
-        self.gen_throughput = 0.0
-        self._gen_tokens = 0
-        self._gen_steps = 0
-        self._gen_tic = time.monotonic()
+        self.stats = StepStats(clock.scale)  # lag behind --time-scale; gen_throughput
         self._task: asyncio.Task | None = None
         self.pool = None  # pool_tier.PoolTier: requests visit the Mooncake pool before queueing
         self._prefetching: set[asyncio.Task] = set()
@@ -160,7 +100,7 @@ class Scheduler:
         if req.prefilled:
             self.ready.append(req)
         elif self.pool is not None and req.use_cache:
-            self._hash_prompt(req)
+            self.hash_prompt(req)
             task = asyncio.get_running_loop().create_task(self.pool.prefetch(req, self._enqueue))
             self._prefetching.add(task)
             task.add_done_callback(self._prefetching.discard)
@@ -221,26 +161,8 @@ class Scheduler:
         return self.cache.locked_tokens + self.private_prompt + self.gen_tokens_running
 
     def queued_prompt_tokens(self, hit_rate: float) -> tuple[int, int]:
-        """(uncached, all) prompt tokens waiting for prefill, counted as SGLang's load snapshot
-        does: every waiting prompt less its cached prefix, plus what the chunked prompt has
-        left. SGLang knows a waiting prompt's prefix only where its schedule policy matched
-        the queue (lpm, at most 128 waiting); otherwise it takes the recent hit rate."""
-        exact = self.policy == "lpm" and len(self.waiting) <= 128
-        uncached = total = 0
-        for r in self.waiting:
-            total += r.prompt_len
-            if exact and r.use_cache:
-                if r.hashes is None:
-                    self._hash_prompt(r)
-                hit = self.cache.match(r.hashes[: (r.prompt_len - 1) // self.page_size], touch=False).pages
-                uncached += r.prompt_len - hit * self.page_size
-            else:
-                uncached += round(r.prompt_len * (1.0 - hit_rate))
-        if self.chunked is not None:
-            rest = self.chunked.prompt_len - self.chunked.extended
-            uncached += rest
-            total += rest
-        return uncached, total
+        """(uncached, all) prompt tokens waiting for prefill, as SGLang's load snapshot counts them."""
+        return queue_order.queued_prompt_tokens(self, hit_rate)
 
     def busy(self) -> bool:
         return bool(self.reqs)
@@ -253,9 +175,9 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 self.sim_now = max(self.sim_now, self.clock.now())  # idle GPU: time jumps
-                self._gen_tokens, self._gen_steps, self._gen_tic = 0, 0, time.monotonic()  # idle is not decode time
+                self.stats.idle()
                 continue
-            self._take_ready()
+            kv_admission.take_ready(self)
             parts, host_load = self._form_extend()
             if parts:
                 dt = self.cost.extend_batch_time([(n, r.extended) for r, n in parts], host_load)
@@ -281,17 +203,7 @@ class Scheduler:
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = self.clock.wall_at(sim_t) - time.monotonic()
-        if delay < 0:  # the process is slower than the simulated GPU: time stretches
-            self.lag_sim = lag = -delay * self.clock.scale
-            self.lag_sum_s += lag
-            if lag > self.lag_max_s:
-                self.lag_max_s = lag
-            if lag > 1.0 and time.monotonic() - self._lag_warned > 30:
-                self._lag_warned = time.monotonic()
-                log.warning("simulated time is %.1f s behind --time-scale %g (CPU-bound); latencies are "
-                            "inflated - lower the time scale", lag, self.clock.scale)
-        else:
-            self.lag_sim = 0.0
+        self.stats.late(delay)  # < 0: the process is slower than the simulated GPU, time stretches
         if delay > 0.0005:
             self._notify()
             await asyncio.sleep(delay)
@@ -306,92 +218,16 @@ class Scheduler:
             self._tick.set_result(None)
         self._tick = asyncio.get_running_loop().create_future()
 
-    # ---- admission -----------------------------------------------------------------------
-    def _take_ready(self) -> None:
-        while self.ready and self.n_run < self.max_running:
-            r = self.ready[0]
-            need = r.prompt_len + int(r.max_new * RESERVE_RATIO)
-            if not self._make_room(need):
-                break
-            self.ready.popleft()
-            self.private_prompt += r.prompt_len
-            self.sum_max_new += r.max_new
-            r.extended = r.prompt_len
-            self._start_decode(r)
-
-    def _reserved(self) -> int:
-        return int(max(0, self.sum_max_new - self.gen_tokens_running) * RESERVE_RATIO)
-
-    def _make_room(self, need: int) -> bool:
-        avail = self.capacity - self.used_tokens - self._reserved()
-        if avail >= need:
-            return True
-        if avail + self.cache.evictable_tokens() < need:
-            return False
-        self.cache.evict(0, need - avail)
-        return self.capacity - self.used_tokens - self._reserved() >= need
-
-    def _hash_prompt(self, r: Req) -> None:
+    # ---- admission ----------------------------------------------------------------------
+    def hash_prompt(self, r: Req) -> None:
         ps = self.page_size
         r.digests = page_digests(r.input_ids, ps, r.cache_salt)
         r.hashes = [digest_to_int64(d) for d in r.digests]
 
-    def _admit(self, r: Req) -> tuple[bool, int]:
-        ps = self.page_size
-        if r.hashes is None:
-            self._hash_prompt(r)
-        m = None
-        if r.use_cache:
-            m = self.cache.match(r.hashes[: (r.prompt_len - 1) // ps])  # always extend >= 1 token
-            if self.pool is not None:
-                m = self.pool.limit(m, r, self.sim_now)
-            self.cache.lock(m.last)
-        cached_pages = m.pages if m else 0
-        host_pages = cached_pages - (m.per_tier[0] if m else 0)
-        cached = cached_pages * ps
-        need = (r.prompt_len - cached) + host_pages * ps + int(r.max_new * RESERVE_RATIO)
-        if not self._make_room(need):
-            if m:
-                self.cache.unlock(m.last)
-            return False, 0
-        if m and host_pages:
-            self.cache.promote(m.nodes)
-        r.node = m.last if m else None
-        r.locked_len = cached
-        r.cached_device = (m.per_tier[0] if m else 0) * ps
-        storage_pages = m.per_tier[2] if m and len(m.per_tier) > 2 else 0
-        r.cached_host = (host_pages - storage_pages) * ps
-        r.cached_storage = storage_pages * ps
-        r.extended = cached
-        r.state = PREFILL
-        self.private_prompt += r.prompt_len - cached
-        self.sum_max_new += r.max_new
-        return True, host_pages * ps
-
-    def _order_waiting(self) -> None:
-        """SGLang's schedule policies: fcfs keeps arrival order; lpm serves the longest
-        cached prefix first (falling back to fcfs past 128 waiting, as SGLang does); with
-        priority scheduling the priority decides first (larger first unless
-        low_priority_values_first)."""
-        lpm = self.policy == "lpm" and len(self.waiting) <= 128
-        if not (lpm or (self.priority and self._unsorted)):
-            return
-        key_parts = []
-        for r in self.waiting:
-            prio = self._prio_sign * (r.priority or 0) if self.priority else 0
-            hit = 0
-            if lpm and r.use_cache:
-                if r.hashes is None:
-                    self._hash_prompt(r)
-                hit = self.cache.match(r.hashes[: (r.prompt_len - 1) // self.page_size], touch=False).pages
-            key_parts.append(((prio, -hit, r.arrival), r))
-        key_parts.sort(key=lambda kr: kr[0])
-        self.waiting = deque(r for _, r in key_parts)
-        self._unsorted = False
-
     def _form_extend(self) -> tuple[list[tuple[Req, int]], int]:
-        if self.waiting:
-            self._order_waiting()
+        if self.waiting and queue_order.needs_order(self):
+            self.waiting = queue_order.ordered(self)
+            self._unsorted = False
         budget = self.chunk_size
         parts: list[tuple[Req, int]] = []
         host_load = 0
@@ -404,7 +240,7 @@ class Scheduler:
             r = self.waiting[0]
             if self._blocked == (r, self._releases):
                 break  # nothing was freed since this head last failed to fit: don't re-match it
-            ok, load = self._admit(r)
+            ok, load = kv_admission.admit(self, r)
             if not ok:
                 self._blocked = (r, self._releases)
                 break
@@ -432,7 +268,7 @@ class Scheduler:
             if r.extended < r.prompt_len:
                 continue
             r.first_token_at = now
-            self._start_decode(r)
+            self.start_decode(r)
 
     def _cache_prefix(self, r: Req, tokens: int) -> None:
         """Put the computed full pages into the tree, as SGLang's cache_unfinished_req does
@@ -450,7 +286,7 @@ class Scheduler:
         self.private_prompt -= full * self.page_size - r.locked_len
         r.locked_len = full * self.page_size
 
-    def _start_decode(self, r: Req) -> None:
+    def start_decode(self, r: Req) -> None:
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
         if r.out_len <= 1:
@@ -470,12 +306,7 @@ class Scheduler:
 
     def _apply_decode(self) -> None:
         self.steps += 1
-        self._gen_tokens += self.n_run
-        self._gen_steps += 1
-        if self._gen_steps >= DECODE_LOG_INTERVAL:
-            now = time.monotonic()
-            self.gen_throughput = self._gen_tokens / max(now - self._gen_tic, 1e-6)
-            self._gen_tokens, self._gen_steps, self._gen_tic = 0, 0, now
+        self.stats.decoded(self.n_run)
         over = self.used_tokens - self.capacity
         if over > 0:  # each step's new KV comes out of the evictable cache first, as in SGLang;
             # a small margin (1% of the pool) keeps this from running every single step
