@@ -40,7 +40,7 @@ def _f(v: float | None, fmt: str = "{:.3f}") -> str:
 
 
 HEADER = ["workload", "router", "hit", "/bounded", "TTFT mean", "p99", "vs peer mean", "p99",
-          "floor mean", "p99", "wait mean", "prefill max/mean", "lag max", "errors"]
+          "floor mean", "p99", "wait mean", "prefill max/mean", "lag max", "lagged", "errors"]
 
 
 def table_rows(rows: list[dict], setups: dict) -> list[list[str]]:
@@ -53,7 +53,8 @@ def table_rows(rows: list[dict], setups: dict) -> list[list[str]]:
                     _f(r["ttft_mean_s"] / pm if pm and r["ttft_mean_s"] else None, "{:.2f}x"),
                     _f(r["ttft_p99_s"] / pp if pp and r["ttft_p99_s"] else None, "{:.2f}x"),
                     _f(s["ttft_floor_mean_s"]), _f(s["ttft_floor_p99_s"]), _f(r["wait_mean_s"]),
-                    _f(r["prefill_imbalance"], "{:.2f}"), _f(r["sim_lag_max_s"]), str(r["errors"])])
+                    _f(r["prefill_imbalance"], "{:.2f}"), _f(r["sim_lag_max_s"]), "yes" if r["lagged"] else "no",
+                    str(r["errors"])])
     return out
 
 
@@ -165,7 +166,9 @@ def section(meta: dict, setups: dict, rows: list[dict]) -> str:
         f"bounded oracle's hit rate: {loads}.",
         "- Columns: hit = cached/prompt tokens from the engines; /bounded its ratio to one LRU of the fleet's KV "
         "capacity; TTFT in simulated s; vs peer = over the best other router's cache_aware; floor = every request "
-        "alone on an idle GPU with no cache; wait = TTFT minus own prefill; prefill max/mean over workers.",
+        "alone on an idle GPU with no cache; wait = TTFT minus own prefill; prefill max/mean over workers; "
+        "lagged = a run's simulated schedulers or client fell behind (routing_quality's test: the machine, not "
+        "the router, limited it).",
         f"- Lag: {'beyond tolerance in ' + ', '.join(lagged) if lagged else 'no run lagged beyond tolerance'}.",
         "",
         format_table(summary, setups, markdown=True),

@@ -131,7 +131,9 @@ def rag(size: int, load: float, fleet: Fleet, seed: int = 0) -> list[TraceRecord
 def burst(size: int, load: float, fleet: Fleet, seed: int = 0) -> list[TraceRecord]:
     """``bench.burst_trace``: bursts of 16 requests within 50 ms sharing one of 4 system
     prompts (4k tokens) plus 2k tokens each, at a fleet otherwise idle (load ~0.3)."""
-    return fit_load(burst_records(count=max(1, size // 16), seed=seed + 1), load, fleet)
+    records = [TraceRecord(r.timestamp, r.input_length, r.output_length, [60_000_000 + h for h in r.hash_ids])
+               for r in burst_records(count=max(1, size // 16), seed=seed + 1)]  # this workload's own ids
+    return fit_load(records, load, fleet)
 
 
 def tenants(size: int, load: float, fleet: Fleet, seed: int = 0) -> list[TraceRecord]:
