@@ -5,7 +5,7 @@ cluster, the router as a process, the replay) and analysis (``analyse``); only t
 differ. Routers are interleaved within each workload and repetition, so a drift in the
 machine's load hits them alike; the headline is the median over repetitions.
 
-    PYTHONPATH=$PWD python -m bench.suite --quick           # a third of each workload, one pass (~8 min)
+    PYTHONPATH=$PWD python -m bench.suite --quick           # a third of each workload, one pass (~10 min)
     PYTHONPATH=$PWD python -m bench.suite                   # full sizes, 2 repetitions
     PYTHONPATH=$PWD python -m bench.suite --quick --workloads agents rag --sweep work_weight=3,12,48
 
