@@ -158,6 +158,18 @@ async def engine_count(session: aiohttp.ClientSession, workers: list[Any], model
     return None
 
 
+def _shorten(params: dict, max_key: str, min_key: str, default: int, used: int) -> bool:
+    """Ask ``params`` for what is left of its output budget after ``used`` tokens; False when
+    nothing is left."""
+    left = (params.get(max_key) or default) - used
+    if left <= 0:
+        return False
+    params[max_key] = left
+    if params.get(min_key):
+        params[min_key] = max(0, params[min_key] - used)
+    return True
+
+
 def continuation(view: RequestView, raw: bytes, t: Transcript, k: int, encode: Callable[[str], list[int]] | None
                  ) -> tuple[bytes, RequestView] | None:
     """The request that asks for the rest of the answer (``k``: the continuation's number),
@@ -168,12 +180,8 @@ def continuation(view: RequestView, raw: bytes, t: Transcript, k: int, encode: C
     text: str | None = None
     if t.route == GENERATE:
         sp = d.get("sampling_params") if isinstance(d.get("sampling_params"), dict) else {}
-        left = (sp.get("max_new_tokens") or GENERATE_DEFAULT_MAX) - t.tokens
-        if left <= 0:
+        if not _shorten(sp, "max_new_tokens", "min_new_tokens", GENERATE_DEFAULT_MAX, t.tokens):
             return None
-        sp["max_new_tokens"] = left
-        if sp.get("min_new_tokens"):
-            sp["min_new_tokens"] = max(0, sp["min_new_tokens"] - t.tokens)
         d["sampling_params"] = sp
         prompt = d.get("input_ids") if isinstance(d.get("input_ids"), list) else view.token_ids
         if prompt is not None:
@@ -185,12 +193,8 @@ def continuation(view: RequestView, raw: bytes, t: Transcript, k: int, encode: C
         if d.get("return_logprob"):
             d["logprob_start_len"] = -1  # the prompt's logprobs went out with the first event
     elif t.route == COMPLETIONS:
-        left = (d.get("max_tokens") or COMPLETION_DEFAULT_MAX) - t.tokens
-        if left <= 0:
+        if not _shorten(d, "max_tokens", "min_tokens", COMPLETION_DEFAULT_MAX, t.tokens):
             return None
-        d["max_tokens"] = left
-        if d.get("min_tokens"):
-            d["min_tokens"] = max(0, d["min_tokens"] - t.tokens)
         prompt = d.get("prompt")
         ids = prompt if isinstance(prompt, list) else t.prompt_ids if t.prompt_ids is not None else view.token_ids
         if ids is not None:
