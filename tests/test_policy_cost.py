@@ -323,7 +323,8 @@ def test_long_prompts_are_priced_with_attention():
         assert policy.select(text_req("next"), ws).worker.url == ws[expect].url, attention
 
 
-def test_work_weight_keeps_a_conversation_on_its_warm_worker():
+def test_work_weight_keeps_a_conversation_on_its_warm_worker(monkeypatch):
+    monkeypatch.setattr("policies.cost.time", _SteppingClock(0.0))  # the booked queue must not drain meanwhile
     ws = workers(2)
     prompt = "turn one " * 1000  # ~2250 tokens by the text estimate
     for weight, stays in ((0.0, False), (1.0, True)):
