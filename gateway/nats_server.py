@@ -9,8 +9,10 @@ Replicas on several hosts share a NATS the deployment runs (``--state-url``); th
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +34,12 @@ def binary() -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the thread that started it is gone, so a
+    supervisor killed with SIGKILL does not leave its bus running forever."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class EmbeddedNats:
     """``with EmbeddedNats() as nats: nats.url`` (``nats://127.0.0.1:PORT``)."""
 
@@ -45,7 +53,8 @@ class EmbeddedNats:
         args = [binary(), "-c", str(conf_file), "-a", host, "-p", str(port), "--ports_file_dir", self._dir.name]
         self.log = Path(self._dir.name) / "nats.log"
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.url = f"{scheme}://{host}:{self._port(timeout)}"
 
     def _port(self, timeout: float) -> int:

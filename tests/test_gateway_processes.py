@@ -250,11 +250,28 @@ def test_killed_member_fails_its_client_and_is_replaced(start_sim):
         assert proc.stop() == 0, proc.output()[-4000:]
 
 
+def children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def test_members_of_a_killed_supervisor_exit(start_sim):
+    """And so does the group's embedded nats-server: nothing of the group outlives it."""
     sim = start_sim("--time-scale", "50")
     proc = start_group(sim.url, "--shutdown-grace-secs", "5")
     try:
         pids = list(members(proc).values())
+        bus = [c for c in children(proc.popen.pid) if c not in pids]
+        assert len(bus) == 1 and "nats-server" in Path(f"/proc/{bus[0]}/cmdline").read_text()
+        pids += bus
         os.kill(proc.popen.pid, signal.SIGKILL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(alive(pid) for pid in pids):
