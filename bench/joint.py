@@ -7,7 +7,7 @@ number of simulated GPUs; what changes is
   as the model's KV over ``--transfer-bandwidth-gbps``);
 * KV placement: GPU only; + HiCache host tier (``--enable-hierarchical-cache``); + a shared
   Mooncake Store pool as L3 (a real ``mooncake_master``, ``SimCluster(pool=True)``);
-* router: kvgate ``cost`` (``pd_cost`` in PD) or sglang-router ``cache_aware``.
+* router: kvgate ``cost`` (``pd_cost`` in PD), sglang-router ``cache_aware`` or SMG ``cache_aware``.
 
 Latencies are simulated seconds. Goodput: requests that finished with TTFT <= ``--slo-ttft``
 per simulated second of the arrival schedule. Hit rates are the prefill-side (or unified)
@@ -36,12 +36,12 @@ from .joint_fleet import (ExternalFleet, Topology, external_fleet, http_post, si
                           worker_totals)
 from .joint_workloads import WORKLOADS
 from .replay import replay, summarize
-from .services import Service, start_kvgate, start_service, start_sglang_router
+from .services import Service, smg_python, start_kvgate, start_service, start_sglang_router, start_smg
 from .trace import DEFAULT_TRACE, TraceRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEMENTS = ("gpu", "host", "pool")
-ROUTERS = ("kvgate", "sglang-router")
+ROUTERS = ("kvgate", "sglang-router", "smg")
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,15 @@ def engine_args(a: argparse.Namespace, placement: str) -> list[str]:
 
 
 def start_router(cell: Cell, cluster: SimCluster | ExternalFleet, a: argparse.Namespace, log: Path) -> Service:
-    """kvgate (``cost`` / ``pd_cost``, the transfer priced at the simulated link) or sglang-router."""
+    """kvgate (``cost`` / ``pd_cost``, the transfer priced at the simulated link), sglang-router or SMG."""
     # the policy prices pool loads at the rate the simulated fleet charges them
     pool_tps = a.storage_bandwidth_gbps * 1e9 / get_profile(a.profile).kv_bytes_per_token
     if not cell.topology.pd:
         if cell.router == "kvgate":
             return start_kvgate(cluster.urls, "cost", {"pool_load_tokens_per_s": f"{pool_tps:.0f}"}, log,
                                 tokenizer=a.gateway_tokenizer)
+        if cell.router == "smg":
+            return start_smg(cluster.urls, "cache_aware", {}, log)
         return start_sglang_router(cluster.urls, "cache_aware", {}, log)
     legs: list[str] = []
     for url, port in cluster.prefill:
@@ -109,6 +111,8 @@ def start_router(cell: Cell, cluster: SimCluster | ExternalFleet, a: argparse.Na
                              "--policy-option", f"same_host_bytes_per_s={bw}",
                              "--policy-option", f"pool_load_tokens_per_s={pool_tps:.0f}", *legs]
         return start_service(make, log, "/readiness")
+    if cell.router == "smg":
+        return start_smg([], "cache_aware", {}, log, pd=["--pd-disaggregation", *legs])
     make = lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
                          str(port), "--prometheus-port", str(_free()), "--log-level", "warn", "--pd-disaggregation",
                          "--policy", "cache_aware", *legs]
@@ -212,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", type=int, nargs="+", default=[2, 1], help="prefill workers of each PD split")
     p.add_argument("--side-splits", type=int, default=1, help="PD splits run on the other workloads")
     p.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS)
-    p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    p.add_argument("--routers", nargs="+", default=[r for r in ROUTERS if r != "smg" or smg_python()], choices=ROUTERS,
+                   help="default: all three, SMG when it is installed (scripts/setup.sh --bench)")
     p.add_argument("--repeat", type=int, default=2, help="runs of each headline cell (medians)")
     p.add_argument("--profile", default="llama3-8b-h100")
     p.add_argument("--time-scale", type=float, default=2.0)
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import joint_report
 
     a = build_parser().parse_args(argv)
-    peers = "sglang-router" in a.routers
+    peers = [r for r in a.routers if r != "kvgate"]
     if a.quick:
         a.workloads, a.splits, a.repeat = a.workloads[:1], a.splits[:1], 1
         a.requests, a.span_s = min(a.requests, 150), min(a.span_s, 30.0)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [c for c in plan(a) if not a.only or any(x in c.label for x in a.only)]
     if a.quick and peers and a.external is None:  # one peer cell: the joint one
         pd = [c for c in cells if c.topology.pd and c.placement == a.placements[-1]]
-        cells += [Cell(c.workload, c.topology, c.placement, "sglang-router") for c in pd[:1]]
+        cells += [Cell(c.workload, c.topology, c.placement, r) for c in pd[:1] for r in peers]
     out = Path(a.out)
     started = time.monotonic()
     results: list[CellResult] = []

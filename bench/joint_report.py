@@ -24,7 +24,7 @@ def table(results: list) -> str:
     for r in results:
         c = r.cell
         router = "kvgate " + ("pd_cost" if c.topology.pd else "cost") if c.router == "kvgate" \
-            else "sglang-router cache_aware"
+            else f"{c.router} cache_aware"
         if not r.runs:
             rows.append([c.workload, c.topology.name, c.placement, router, "0", f"cannot run: {r.error}"]
                         + ["-"] * 9)
@@ -136,7 +136,7 @@ def plots(results: list, out: Path, quick: bool) -> str:
     ax.set_xticks(range(len(ok)), [r.cell.label.replace("/kvgate", "").replace("/sglang-router", "/sgl")
                                    for r in ok], rotation=75, fontsize=6)
     ax.set_ylabel("goodput (req/s at the TTFT SLO, simulated)")
-    ax.set_title("goodput per cell (blue kvgate, orange sglang-router)")
+    ax.set_title("goodput per cell (blue kvgate, orange the peers)")
     fig.tight_layout()
     path = out / f"{prefix}_goodput.png"
     fig.savefig(path, dpi=100)
