@@ -63,6 +63,8 @@ def run(mode: str, n_prefill: int, a: argparse.Namespace, records, out: Path, sm
             for url in cluster.decode:
                 pd += ["--decode", url]
             gw_args = [*pd, "--policy", "pd_cost"]
+        for option in a.policy_option:
+            gw_args += ["--policy-option", option]
         gw = (start_smg([], smg, {}, logs / "smg.log", pd=pd) if smg
               else start_gateway(gw_args, logs / "gateway.log"))
         try:
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smg", default="cache_aware" if smg_python() else None, metavar="POLICY",
                    help="also run every PD split behind SMG with this policy (default cache_aware when smg is "
                         "installed; '' for none)")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="option for kvgate's cost and pd_cost (repeatable)")
     p.add_argument("--quick", action="store_true", help="150 requests")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "pd"))
     p.add_argument("--no-results", action="store_true")

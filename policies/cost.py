@@ -42,6 +42,15 @@ def _clock() -> float:
     return time.monotonic()  # looked up here at each call, so a test's clock replaces it
 
 
+def _weight_or_auto(value: Any) -> float | str:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "")):
+        return "auto"
+    weight = float(value)
+    if not weight >= 0.0:
+        raise ValueError("expected a number >= 0 or 'auto'")
+    return weight
+
+
 def _engine_load(value: Any) -> str:
     return "off" if value is False else str(value)  # YAML reads a bare off as false
 
@@ -55,7 +64,9 @@ class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions
     pool_load_tokens_per_s: float = opt(40_000.0, "tokens/s loaded from the shared Mooncake pool (L3)")
     decode_cost_s: float = opt(0.0002, "seconds each running request adds to a prefill")
     attention_tokens: float = opt(32_768.0, "context at which attention costs as much as the matmuls (0: ignore)")
-    work_weight: float = opt(12.0, "how many times a miss's prefill is charged on a loaded fleet")
+    work_weight: float | str = opt("auto", "how many times a miss's prefill is charged; auto: rho / (1 - rho) of the "
+                                   "fleet's busy share (the requests queued behind it), up to its value at "
+                                   "full_weight_busy", parse=_weight_or_auto)
     temperature: float = opt(0.0, "seconds; > 0 samples with softmax over -ttft instead of the minimum")
     seed: int | None = opt(None, "random seed for temperature sampling", parse=optional(whole))
     index: Any = opt("auto", "auto (precise where token ids and KV events exist, else approximate), precise, approx",
@@ -66,9 +77,9 @@ class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions
     tpot_s: float = opt(0.03, "seconds per output token until a worker's is measured")
     hold_wait_s: float = opt(0.1, "hold a request at the gateway while every worker's wait exceeds this (0: never)")
     hold_patience: float = opt(3.0, "stop holding after this many times the still-predicted wait")
-    load_aware: bool = opt(True, "scale work_weight by how busy the fleet is")
+    load_aware: bool = opt(True, "follow how busy the fleet is (false: always the full weight)")
     load_window_s: float = opt(1.0, "window the fleet's busy share is averaged over")
-    full_weight_busy: float = opt(0.75, "busy share from which work_weight applies in full")
+    full_weight_busy: float = opt(0.75, "busy share from which the weight stops growing")
     learn_prefill: bool = opt(True, "learn the prefill speed from streamed first tokens that timed a prefill alone")
 
 

@@ -73,17 +73,19 @@ class Pricer:
     """Constants, the busy-share average and the backlog rows; prices from the ledger."""
 
     def __init__(self, ledger: Ledger, *, host_tps: float, pool_tps: float, decode_cost_s: float,
-                 attention_tokens: float, work_weight: float, load_aware: bool, load_window_s: float,
+                 attention_tokens: float, work_weight: float | str, load_aware: bool, load_window_s: float,
                  full_weight_busy: float, engine_load: str, memory: bool) -> None:
         self.ledger = ledger
         self.host_tps, self.pool_tps, self.decode_cost_s = host_tps, pool_tps, decode_cost_s
         self.inv_attention = 1.0 / attention_tokens if attention_tokens > 0 else 0.0
-        self.work_weight, self.load_aware, self.load_window_s = work_weight, load_aware, load_window_s
         full = min(max(full_weight_busy, 0.0), 0.99)
         self._full_odds = full / (1.0 - full)  # rho / (1 - rho) where the weight is full
+        # "auto": the full weight is the odds themselves, so the weight is rho / (1 - rho)
+        self.work_weight = self._full_odds if work_weight == "auto" else float(work_weight)
+        self.load_aware, self.load_window_s = load_aware, load_window_s
         self.busy_share = 1.0  # the fleet's busy share, averaged (``weight``); the first decision sets it
         self._busy_at: float | None = None
-        self.last_weight = work_weight  # the work weight the last decision charged
+        self.last_weight = self.work_weight  # the work weight the last decision charged
         self.rows = FleetBacklog(Pricing(ledger.inv_prefill, decode_cost_s, engine_load, memory), ledger.book,
                                  lambda: ledger.avg_uncached)
         ledger.touched, ledger.repriced = self.rows.touch, self.rate_changed
@@ -204,21 +206,22 @@ class Pricer:
 
     def weight(self, busy: int, workers: int, now: float) -> float:
         """The work weight when ``busy`` of ``workers`` have prefill (or a KV wait) queued:
-        ``work_weight`` once the busy share rho, averaged over the last ``load_window_s``,
-        reaches ``full_weight_busy`` (0.75), and below it less along rho / (1 - rho)
-        (``load_aware`` false: always ``work_weight``).
+        rho / (1 - rho) of the busy share rho, averaged over the last ``load_window_s``, times
+        ``work_weight`` / its value at ``full_weight_busy`` (0.75: 3), and ``work_weight``
+        from there on (``load_aware`` false: always ``work_weight``). With ``work_weight``
+        auto (the default) the scale is 1: the weight is rho / (1 - rho) up to 3.
 
-        Work added to a queue delays the requests that arrive behind it before it drains,
-        and in a single queue at utilisation rho that is rho / (1 - rho) of them on average.
-        So with most of the fleet idle a miss costs nobody else, and a burst sharing one
-        prefix spreads over the idle workers instead of queueing on its warm worker until
-        that queue is worth ``work_weight`` prefills of the prefix (bench.burst_trace: mean
-        TTFT 0.14 s instead of 0.72 s, as sglang-router's). On a loaded fleet the weight is
-        ``work_weight``, which also stands for the KV room a duplicated prefix takes in a
-        contended pool: the Mooncake trace keeps 8 of 8 workers busy at 87% of decisions,
-        and following rho / (1 - rho) all the way up (no ``full_weight_busy``) cost it ~5% of
-        its hits (0.116-0.119 vs 0.122-0.127, three pairs). Averaged, not each decision's own
-        share: the instantaneous share lost hits too (0.112-0.124), and a burst arriving
+        Why rho / (1 - rho): a miss's extra prefill delays whoever queues behind it before it
+        drains, and in a single queue at utilisation rho that is rho / (1 - rho) requests on
+        average (M/M/1's mean number in system; Little's law). So with most of the fleet idle
+        a miss costs nobody else, and a burst sharing one prefix spreads over the idle workers
+        instead of queueing on its warm worker (bench.burst_trace); on a loaded fleet a warm
+        worker keeps its conversations until its queue costs more than the prefill they
+        save several times over. Capped at ``full_weight_busy``: past it the averaged share
+        of a few workers is too coarse to tell 3 from 30 (at 7 of 8 busy the odds are 7), and
+        a larger weight piles sessions on warm workers (bench.suite: ``work_weight`` 12 and 36
+        lose to 3-4 on every workload, docs/cost-model.md). Averaged, not each decision's own
+        share: the instantaneous share lost hits on the Mooncake trace, and a burst arriving
         after a pause still sees the pause. The first decision takes the share as it finds
         it: starting from "busy" queued a cold start's first burst on one worker."""
         if not self.load_aware or not workers:

@@ -86,12 +86,13 @@ def test_a_burst_of_identical_prompts_spreads_by_booked_work(weight, suffix):
     assert len(landed) == 4  # a cache hit is not worth an unbounded queue
 
 
-def test_the_default_work_weight_bounds_a_herd_on_one_prefix():
-    """At its full weight (a saturated fleet; here load-blind) the default charges a miss
-    several times the prefill it adds, so a burst sharing one prefix stays on its warm
-    worker a while, but only until that worker's queue is worth more than the prefills it
-    saves: then the prefix spreads, and the burst ends balanced."""
-    policy = Cost(load_aware=False)
+@pytest.mark.parametrize("weight", ["auto", 12.0])
+def test_the_work_weight_bounds_a_herd_on_one_prefix(weight):
+    """At its full weight (a saturated fleet; here load-blind) a miss is charged several
+    times the prefill it adds, so a burst sharing one prefix stays on its warm worker a
+    while, but only until that worker's queue is worth more than the prefills it saves:
+    then the prefix spreads, and the burst ends balanced."""
+    policy = Cost(load_aware=False, work_weight=weight)
     ws = workers(4)
     landed = Counter()
     for i in range(80):
@@ -126,7 +127,7 @@ def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(monkeypatch, othe
     (Each reading of the clock 10 ms after the last, ten thousand ``load_window_s``: each
     decision sees the fleet as it is, and the queues have barely drained.)"""
     monkeypatch.setattr("policies.cost.time", _SteppingClock(0.01))
-    policy = Cost(load_aware=load_aware, load_window_s=1e-6)
+    policy = Cost(load_aware=load_aware, load_window_s=1e-6, work_weight=12.0)
     ws = workers(8)
     prefix = "context " * 2000
     first = text_req("first", prefix + "question one")
@@ -160,10 +161,11 @@ def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
     policy.select(text_req("later"), ws)
     share = 1.0 - math.exp(-1.0)
     assert policy.stats()["busy_share"] == pytest.approx(share)
-    assert policy.stats()["work_weight"] == pytest.approx(12 * share / (1.0 - share) / 3)
+    assert policy.stats()["work_weight"] == pytest.approx(share / (1.0 - share))  # auto: rho / (1 - rho)
     clock.now += 30.0
     policy.select(text_req("much later"), ws)
-    assert policy.stats()["busy_share"] == pytest.approx(1.0) and policy.stats()["work_weight"] == 12.0
+    # capped at the odds at full_weight_busy (3/4 busy: 3)
+    assert policy.stats()["busy_share"] == pytest.approx(1.0) and policy.stats()["work_weight"] == 3.0
 
 
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
@@ -547,7 +549,7 @@ def test_no_hold_while_some_worker_could_start_the_request_at_once():
     """The worker holding the prompt's prefix has a queue, so it keeps the request waiting,
     but a third worker is idle: holding would leave a burst on that prefix waiting for its
     one warm worker, one first token at a time, so the request is committed."""
-    policy, ws, _ = _hold_setup(load_aware=False)
+    policy, ws, _ = _hold_setup(load_aware=False, work_weight=12.0)
     idle = WorkerView("http://127.0.0.1:8199")
     prompt = "context " * 4000  # ~8000 tokens: a miss is 0.32 s, x 13 with the weight
     warm = RequestView("warm", "/generate", text=prompt)
