@@ -51,6 +51,7 @@ class RequestResult:
     completion_tokens: int = 0
     worker: str = ""
     max_gap_s: float = 0.0  # longest wait between two events after the first content (a stall)
+    engine_e2e_s: float | None = None  # the engine's own e2e_latency (meta_info), from its arrival there
 
 
 @dataclass
@@ -161,6 +162,8 @@ def _absorb(api: str, ev: dict, row: RequestResult, t0: float) -> None:
         row.prompt_tokens = meta.get("prompt_tokens", row.prompt_tokens)
         row.cached_tokens = meta.get("cached_tokens", row.cached_tokens)
         row.completion_tokens = meta.get("completion_tokens", row.completion_tokens)
+        if meta.get("e2e_latency") is not None:
+            row.engine_e2e_s = meta["e2e_latency"]
         if meta.get("finish_reason", {}) and meta["finish_reason"].get("type") == "abort":
             row.error = str(meta["finish_reason"].get("message"))
         return

@@ -222,6 +222,10 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
     cm = CostModel(get_profile(a.profile))
     waits = sorted(r.ttft_s * ts - cm.prefill_time(r.prompt_tokens - r.cached_tokens, r.cached_tokens)
                    for r in res.rows if r.ok and r.ttft_s is not None)
+    # Time outside the engine (client e2e minus the engine's own e2e_latency): the gateway's
+    # holds, decisions and proxying, and the loopback; what replicas or a starved CPU add.
+    outside = sorted(max(0.0, r.e2e_s - r.engine_e2e_s) * ts for r in res.rows
+                     if r.ok and r.e2e_s is not None and r.engine_e2e_s is not None)
     p = run["policy_stats"]
     out = {
         "label": run["spec"].label, "router": run["spec"].router, "policy": run["spec"].policy,
@@ -238,6 +242,8 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "gpu_utilization": busy / (n * s["duration_s"]) if n and s["duration_s"] else None,
         "sim_lag_max_s": lag_max, "sim_lag_mean_s": lag_mean,
         "send_delay_p99_s": delay_p99,
+        "outside_engine_mean_s": sum(outside) / len(outside) if outside else None,
+        "outside_engine_p99_s": outside[int(0.99 * (len(outside) - 1))] if outside else None,
         "send_delay_max_s": send_delay[-1] * ts if send_delay else 0.0,
         "lagged": bool(lagged), "dead_workers": run["dead"], "run_wall_s": run["run_wall_s"],
         "drift_window": p.get("hit_drift_ratio"), "drift_degradations": p.get("hit_degradations_total"),
@@ -357,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         runs.append(run)
         print(f"  {row['label']}: hit {row['hit_rate']:.3f}, TTFT mean {row['ttft_mean_s'] or 0:.3f}s "
-              f"p99 {row['ttft_p99_s'] or 0:.3f}s, lag max {row['sim_lag_max_s']:.3f}s, "
+              f"p99 {row['ttft_p99_s'] or 0:.3f}s, outside the engine mean {row['outside_engine_mean_s'] or 0:.3f}s "
+              f"p99 {row['outside_engine_p99_s'] or 0:.3f}s, lag max {row['sim_lag_max_s']:.3f}s, "
               f"{row['errors']} errors, {row['run_wall_s']:.0f}s wall", flush=True)
     command = "PYTHONPATH=$PWD python -m bench.routing_quality" + (" " + shlex.join(argv) if argv else "")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
