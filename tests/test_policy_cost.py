@@ -168,6 +168,28 @@ def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
     assert policy.stats()["busy_share"] == pytest.approx(1.0) and policy.stats()["work_weight"] == 3.0
 
 
+@pytest.mark.parametrize("weight_by, home_keeps", [("fleet", True), ("worker", False)])
+def test_weight_by_worker_charges_work_where_it_queues(monkeypatch, weight_by, home_keeps):
+    """Three of four workers busy: the fleet's weight is full (3). The warm worker's queue
+    (0.5 s) is less than a miss on the idle worker charged three times over, so by the
+    fleet's share the request stays; by each worker's own share the idle worker's weight
+    is 0 (nobody queues there) and the warm, busy one's is 3, so it goes to the idle one."""
+    monkeypatch.setattr("policies.cost.time", _SteppingClock(0.01))
+    policy = Cost(load_window_s=1e-6, weight_by=weight_by)
+    ws = workers(4)
+    prefix = "context " * 2000
+    first = text_req("first", prefix + "question one")
+    home = policy.select(first, ws).worker
+    policy.on_routed(first, home)
+    policy.on_first_token(first, home)
+    _book(policy, home, "queue", 12_500, 10_000_000)
+    for i, w in enumerate([w for w in ws if w is not home][:2]):
+        _book(policy, w, f"other{i}", 20_000, 20_000_000 + i * 100_000)
+    again = policy.select(text_req("again", prefix + "question two"), ws)
+    assert (again.worker.url == home.url) is home_keeps
+    assert policy.stats()["busy_share"] == pytest.approx(0.75)
+
+
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
     policy = Cost(decode_cost_s=0.01)
     busy = WorkerView("http://127.0.0.1:8100", load=EngineLoad(running=50, waiting=0))
