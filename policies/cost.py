@@ -78,6 +78,8 @@ class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions
     hold_wait_s: float = opt(0.1, "hold a request at the gateway while every worker's wait exceeds this (0: never)")
     hold_patience: float = opt(3.0, "stop holding after this many times the still-predicted wait")
     load_aware: bool = opt(True, "follow how busy the fleet is (false: always the full weight)")
+    weight_by: str = opt("fleet", "whose busy share the weight follows: the fleet's, or each worker's own",
+                         choices=("fleet", "worker"))
     load_window_s: float = opt(1.0, "window the fleet's busy share is averaged over")
     full_weight_busy: float = opt(0.75, "busy share from which the weight stops growing")
     learn_prefill: bool = opt(True, "learn the prefill speed from streamed first tokens that timed a prefill alone")
@@ -115,7 +117,8 @@ class Cost(Policy):
         self.pricer = Pricer(self.ledger, host_tps=o.host_load_tokens_per_s, pool_tps=o.pool_load_tokens_per_s,
                              decode_cost_s=o.decode_cost_s, attention_tokens=o.attention_tokens,
                              work_weight=o.work_weight, load_aware=o.load_aware, load_window_s=o.load_window_s,
-                             full_weight_busy=o.full_weight_busy, engine_load=o.engine_load, memory=o.memory)
+                             full_weight_busy=o.full_weight_busy, engine_load=o.engine_load, memory=o.memory,
+                             per_worker=o.weight_by == "worker")
 
     @property
     def prefill_tps(self) -> float:
@@ -156,7 +159,7 @@ class Cost(Policy):
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
         match = self.match(request, workers)
-        if self.temperature > 0 and len(workers) > 1:
+        if (self.temperature > 0 and len(workers) > 1) or self.pricer.per_worker:
             return self._select_scored(request, workers, self.backlogs(request, workers, match))
         b = self.backlogs(request, workers, match, exact=False)
         found = self.pricer.cheapest(b)

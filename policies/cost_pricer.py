@@ -63,6 +63,7 @@ class Backlogs:
     rows: tuple[list[str], list[float], list[float], list[float], list[float]] | None = None
     # (urls, waits, decode, KV, capacity) of every worker, to price ``everyone`` anywhere
     busy: int = 0  # workers with prefill or a KV wait queued (what the weight follows)
+    weights: list[float] | None = None  # per worker, in order, with weight_by=worker
 
     def tiers(self, url: str) -> Tiers:
         hit = self.hits.get(url)
@@ -74,7 +75,7 @@ class Pricer:
 
     def __init__(self, ledger: Ledger, *, host_tps: float, pool_tps: float, decode_cost_s: float,
                  attention_tokens: float, work_weight: float | str, load_aware: bool, load_window_s: float,
-                 full_weight_busy: float, engine_load: str, memory: bool) -> None:
+                 full_weight_busy: float, engine_load: str, memory: bool, per_worker: bool = False) -> None:
         self.ledger = ledger
         self.host_tps, self.pool_tps, self.decode_cost_s = host_tps, pool_tps, decode_cost_s
         self.inv_attention = 1.0 / attention_tokens if attention_tokens > 0 else 0.0
@@ -83,6 +84,8 @@ class Pricer:
         # "auto": the full weight is the odds themselves, so the weight is rho / (1 - rho)
         self.work_weight = self._full_odds if work_weight == "auto" else float(work_weight)
         self.load_aware, self.load_window_s = load_aware, load_window_s
+        self.per_worker = per_worker
+        self.worker_busy: dict[str, float] = {}  # url -> its busy share, averaged (per_worker)
         self.busy_share = 1.0  # the fleet's busy share, averaged (``weight``); the first decision sets it
         self._busy_at: float | None = None
         self.last_weight = self.work_weight  # the work weight the last decision charged
@@ -201,8 +204,34 @@ class Pricer:
                     if everyone.total > most:
                         most = everyone.total
         full = self.prefill(prompt, 0.0) * ledger.inv_prefill
+        keep_from = self._busy_at
         self.last_weight = weight = self.weight(busy, len(bases), now)
-        return Backlogs(prompt, full, output, now, bases, weight, hit_at, min(most, prompt), everyone, rows, busy)
+        weights = self.worker_weights(fleet.urls, bases, decode, now, keep_from) if self.per_worker else None
+        return Backlogs(prompt, full, output, now, bases, weight, hit_at, min(most, prompt), everyone, rows, busy,
+                        weights)
+
+    def worker_weights(self, urls: Sequence[str], bases: list[float], decode: list[float], now: float,
+                       since_at: float | None) -> list[float]:
+        """Each worker's own weight: rho / (1 - rho) of its own busy share (a queue or a KV
+        wait), averaged like the fleet's, scaled and capped as ``weight`` does."""
+        shares = self.worker_busy
+        keep = 0.0
+        if since_at is not None and self.load_window_s > 0:
+            since = now - since_at
+            keep = _exp(-since / self.load_window_s) if since > 0.0 else 1.0
+        out = []
+        scale = self.work_weight / self._full_odds if self._full_odds else 0.0
+        for url, base, dec in zip(urls, bases, decode):
+            flag = 1.0 if base - dec > 0.0 else 0.0
+            old = shares.get(url)
+            rho = flag if old is None else flag + (old - flag) * keep
+            shares[url] = rho
+            if rho >= 1.0 or not self._full_odds:
+                out.append(self.work_weight)
+            else:
+                w = rho / (1.0 - rho) * scale
+                out.append(w if w < self.work_weight else self.work_weight)
+        return out
 
     def weight(self, busy: int, workers: int, now: float) -> float:
         """The work weight when ``busy`` of ``workers`` have prefill (or a KV wait) queued:
@@ -276,6 +305,10 @@ class Pricer:
             costs = [hit(url, pool, b, *state)[1] for url, *state in zip(*b.rows)]
         for url, (i, tiers, state) in b.hits.items():
             costs[i] = hit(url, tiers, b, *state)[1]
+        if b.weights is not None:
+            inv_tps, inv_attention = 1.0 / self.ledger.prefill_tps, self.inv_attention
+            return costs, [ttft + prefill_tokens(uncached, cached, inv_attention, w * inv_tps)
+                           for (ttft, uncached, cached), w in zip(costs, b.weights)]
         if not b.weight:
             return costs, [ttft for ttft, _, _ in costs]
         k, inv_attention = b.weight / self.ledger.prefill_tps, self.inv_attention

@@ -114,6 +114,21 @@ class _SteppingClock:
         return self.now
 
 
+def _warm_home(monkeypatch, n: int, queued: int, **options) -> tuple[Cost, list[WorkerView], WorkerView, str]:
+    """``n`` workers, a ~4000-token prefix on one (``home``) with ``queued`` tokens of prefill
+    booked behind it; each reading of the clock 10 ms after the last."""
+    monkeypatch.setattr("policies.cost.time", _SteppingClock(0.01))
+    policy = Cost(load_window_s=1e-6, **options)
+    ws = workers(n)
+    prefix = "context " * 2000
+    first = text_req("first", prefix + "question one")
+    home = policy.select(first, ws).worker
+    policy.on_routed(first, home)
+    policy.on_first_token(first, home)
+    _book(policy, home, "queue", queued, 10_000_000)
+    return policy, ws, home, prefix
+
+
 @pytest.mark.parametrize("others_busy, load_aware, stays", [
     (False, True, False),  # idle fleet: little weight, the request takes an idle worker
     (False, False, True),  # load-blind weight: the hit is worth the queue
@@ -126,15 +141,7 @@ def test_the_work_weight_follows_how_much_of_the_fleet_is_busy(monkeypatch, othe
     busy it is charged ``work_weight`` times over, and the warm worker keeps the request.
     (Each reading of the clock 10 ms after the last, ten thousand ``load_window_s``: each
     decision sees the fleet as it is, and the queues have barely drained.)"""
-    monkeypatch.setattr("policies.cost.time", _SteppingClock(0.01))
-    policy = Cost(load_aware=load_aware, load_window_s=1e-6, work_weight=12.0)
-    ws = workers(8)
-    prefix = "context " * 2000
-    first = text_req("first", prefix + "question one")
-    home = policy.select(first, ws).worker
-    policy.on_routed(first, home)
-    policy.on_first_token(first, home)
-    _book(policy, home, "queue", 20_000, 10_000_000)
+    policy, ws, home, prefix = _warm_home(monkeypatch, 8, 20_000, load_aware=load_aware, work_weight=12.0)
     if others_busy:
         for i, w in enumerate(w for w in ws if w is not home):
             _book(policy, w, f"other{i}", 10_000, 20_000_000 + i * 100_000)
@@ -166,6 +173,20 @@ def test_the_busy_share_is_averaged_over_load_window_s(monkeypatch):
     policy.select(text_req("much later"), ws)
     # capped at the odds at full_weight_busy (3/4 busy: 3)
     assert policy.stats()["busy_share"] == pytest.approx(1.0) and policy.stats()["work_weight"] == 3.0
+
+
+@pytest.mark.parametrize("weight_by, home_keeps", [("fleet", True), ("worker", False)])
+def test_weight_by_worker_charges_work_where_it_queues(monkeypatch, weight_by, home_keeps):
+    """Three of four workers busy: the fleet's weight is full (3). The warm worker's queue
+    (0.5 s) is less than a miss on the idle worker charged three times over, so by the
+    fleet's share the request stays; by each worker's own share the idle worker's weight
+    is 0 (nobody queues there) and the warm, busy one's is 3, so it goes to the idle one."""
+    policy, ws, home, prefix = _warm_home(monkeypatch, 4, 12_500, weight_by=weight_by)
+    for i, w in enumerate([w for w in ws if w is not home][:2]):
+        _book(policy, w, f"other{i}", 20_000, 20_000_000 + i * 100_000)
+    again = policy.select(text_req("again", prefix + "question two"), ws)
+    assert (again.worker.url == home.url) is home_keeps
+    assert policy.stats()["busy_share"] == pytest.approx(0.75)
 
 
 def test_engine_reported_load_counts_for_traffic_routed_elsewhere():
