@@ -223,20 +223,27 @@ class Cost(Policy):
 
     # -- bookkeeping (the ledger's; a PD prefill worker's KV leaves at its first token) ----
     def on_routed(self, request: RequestView, worker: WorkerView) -> None:
+        self._book(request, worker, times_prefill=self.learn_prefill and worker.role == "unified")
+
+    def _book(self, request: RequestView, worker: WorkerView, times_prefill: bool) -> None:
         prefill = worker.role == "prefill"
         self.ledger.routed(request, worker, self.pricer.prefill(float(request.prompt_tokens_estimate), 0.0),
-                           keeps_output=not prefill, times_prefill=self.learn_prefill and worker.role == "unified")
+                           keeps_output=not prefill, times_prefill=times_prefill)
         if self.affinity is not None:
             self.affinity.routed(request, worker, forgetting(self.index))
 
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
-        """A peer's choice, recorded as ``commit`` records one, and booked."""
+        """A peer's choice, recorded as ``commit`` records one, and booked. It times no
+        prefill here (its record came over the bus, late by a varying lag), and it spoils
+        this gateway's pending sample on that worker: the peer may have sent it before ours
+        reached the engine, so our first token may time its prefill too."""
         if cached_tokens is not None:
             self.index.record(request, worker)
             prompt = float(request.prompt_tokens_estimate)
             cached = min(float(cached_tokens), prompt)
             self.ledger.chose(request.request_id, worker.url, self.pricer.prefill(prompt - cached, cached))
-        self.on_routed(request, worker)
+        self._book(request, worker, times_prefill=False)
+        self.ledger.spoil_sample(worker.url)
 
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
         self.ledger.first_token(request.request_id, releases_kv=worker.role == "prefill")

@@ -70,6 +70,7 @@ class Ledger:
         self.live: dict[str, Live] = {}
         self.kv: dict[str, KvReleases] = {}  # worker -> its live requests (KV they hold)
         self.tpot: dict[str, float] = {}  # worker -> measured seconds per output token
+        self.sampling: dict[str, Live] = {}  # worker -> our request timing a prefill alone there, until its first token
 
     # -- what a decision reads ----------------------------------------------------------
     def expected_output(self, max_tokens: int | None) -> float:
@@ -129,6 +130,8 @@ class Ledger:
             # Nothing else of ours in prefill there, and a first token that is one (a
             # response not streamed arrives after its decode)
             live.alone = self._alone(worker, book, tokens, live.footprint)
+            if live.alone:
+                self.sampling[worker.url] = live
         self.live[request.request_id] = live
         releases = self.kv.get(worker.url)
         if releases is None:
@@ -170,11 +173,19 @@ class Ledger:
             book.decoding += 1
             if live.alone:
                 self.learn_prefill(now - live.routed_at, live.alone)
+                self.sampling.pop(live.url, None)
             releases = self.kv.get(live.url)
             if releases is not None:
                 releases.started(live)
             if releases_kv:
                 self._release_kv(request_id, live)
+
+    def spoil_sample(self, url: str) -> None:
+        """Something this gateway did not route may be ahead of its pending sample on
+        ``url``: that first token will not time a prefill alone."""
+        live = self.sampling.pop(url, None)
+        if live is not None:
+            live.alone = 0.0
 
     def learn_prefill(self, seconds: float, work: float) -> None:
         """A first token timed ``work`` seconds (at the configured rate) of prefill alone in
@@ -204,6 +215,8 @@ class Ledger:
         if live:
             if live.first_token_at is None:
                 self._unqueue(live)
+                if self.sampling.get(live.url) is live:
+                    del self.sampling[live.url]
             else:
                 book = self.booked(live.url)
                 book.decoding = max(book.decoding - 1, 0)
@@ -218,6 +231,7 @@ class Ledger:
 
     def worker_removed(self, url: str) -> None:
         self.book.pop(url, None)
+        self.sampling.pop(url, None)
         self.touched(url)
         self.kv.pop(url, None)
         self.tpot.pop(url, None)

@@ -811,3 +811,22 @@ def test_backlog_rows_follow_a_new_server_info_and_a_clock_set_back(monkeypatch)
     settled = decide()[0]
     clock.now -= 9.5
     assert settled < decide()[0] < draining
+
+
+@pytest.mark.parametrize("peer_routes_there", [False, True])
+def test_a_peers_request_on_the_same_worker_spoils_the_prefill_sample(peer_routes_there):
+    """A streamed request alone on its worker times its prefill at its first token, unless a
+    peer's request reached that worker meanwhile: it may have been sent before ours reached
+    the engine, so the first token may time its prefill too. A peer's own request, booked
+    from a record that came late over the bus, times nothing here."""
+    policy = Cost()
+    worker = workers(1)[0]
+    mine = RequestView("mine", "/generate", token_ids=list(range(4000)), stream=True)
+    policy.select(mine, [worker])
+    policy.on_routed(mine, worker)
+    if peer_routes_there:
+        theirs = RequestView("theirs", "/generate", token_ids=list(range(10_000, 14_000)), stream=True)
+        policy.on_peer_routed(theirs, worker, 0)
+        policy.on_first_token(theirs, worker)
+    policy.on_first_token(mine, worker)
+    assert policy.stats()["prefill_samples"] == (0 if peer_routes_there else 1)
