@@ -159,7 +159,7 @@ class Cost(Policy):
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
         match = self.match(request, workers)
-        if (self.temperature > 0 and len(workers) > 1) or self.pricer.per_worker:
+        if (self.temperature > 0 and len(workers) > 1) or self.pricer.weights.per_worker:
             return self._select_scored(request, workers, self.backlogs(request, workers, match))
         b = self.backlogs(request, workers, match, exact=False)
         found = self.pricer.cheapest(b)
@@ -293,8 +293,8 @@ class Cost(Policy):
             out.update(self.budget.stats())
         out.update(self.ledger.stats())
         out["holds"] = float(self.holds)
-        out["work_weight"] = self.pricer.last_weight
-        out["busy_share"] = self.pricer.busy_share
+        out["work_weight"] = self.pricer.weights.last
+        out["busy_share"] = self.pricer.weights.busy_share
         out["diverted"] = float(self.diverted)
         out["diverted_tokens"] = self.diverted_tokens
         if self.feed is not None:

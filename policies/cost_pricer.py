@@ -6,7 +6,7 @@
             + running requests on w * decode_cost_s
 
 and the choice minimises ``ttft + weight * prefill(uncached) / prefill speed``, the work
-weight following the fleet's busy share (``Pricer.weight``). The model, its defaults and
+weight following how busy the fleet is (``policies.work_weight``). The model, its defaults and
 the measurements behind them: docs/cost-model.md.
 
 ``Pricer.backlogs`` prices what every worker costs with no hit (``Backlogs``); from it,
@@ -29,6 +29,7 @@ from index.prefix import NO_HIT, IndexMatch, Tiers
 from policies.base import RequestView, WorkerView
 from policies.cost_ledger import Ledger
 from policies.fleet_backlog import FleetBacklog, Pricing
+from policies.work_weight import WorkWeight
 
 _INF = float("inf")
 _exp = math.exp
@@ -53,7 +54,7 @@ class Backlogs:
     output: float  # output tokens expected (KV they will hold)
     now: float
     bases: list[float]  # per worker, in order: wait + decode cost with no hit
-    weight: float  # the work weight this decision charges (``Pricer.weight``)
+    weight: float  # the work weight this decision charges (``WorkWeight``)
     hits: dict[str, tuple[int, Tiers, tuple[float, float, float, float]]]  # url -> (position, tiers,
     # (queue wait, decode cost, KV held, KV capacity or 0 when memory is off)): the workers
     # to price with a hit, which with a prompt in the shared pool are those holding more
@@ -79,16 +80,7 @@ class Pricer:
         self.ledger = ledger
         self.host_tps, self.pool_tps, self.decode_cost_s = host_tps, pool_tps, decode_cost_s
         self.inv_attention = 1.0 / attention_tokens if attention_tokens > 0 else 0.0
-        full = min(max(full_weight_busy, 0.0), 0.99)
-        self._full_odds = full / (1.0 - full)  # rho / (1 - rho) where the weight is full
-        # "auto": the full weight is the odds themselves, so the weight is rho / (1 - rho)
-        self.work_weight = self._full_odds if work_weight == "auto" else float(work_weight)
-        self.load_aware, self.load_window_s = load_aware, load_window_s
-        self.per_worker = per_worker
-        self.worker_busy: dict[str, float] = {}  # url -> its busy share, averaged (per_worker)
-        self.busy_share = 1.0  # the fleet's busy share, averaged (``weight``); the first decision sets it
-        self._busy_at: float | None = None
-        self.last_weight = self.work_weight  # the work weight the last decision charged
+        self.weights = WorkWeight(work_weight, load_aware, load_window_s, full_weight_busy, per_worker)
         self.rows = FleetBacklog(Pricing(ledger.inv_prefill, decode_cost_s, engine_load, memory), ledger.book,
                                  lambda: ledger.avg_uncached)
         ledger.touched, ledger.repriced = self.rows.touch, self.rate_changed
@@ -204,72 +196,10 @@ class Pricer:
                     if everyone.total > most:
                         most = everyone.total
         full = self.prefill(prompt, 0.0) * ledger.inv_prefill
-        keep_from = self._busy_at
-        self.last_weight = weight = self.weight(busy, len(bases), now)
-        weights = self.worker_weights(fleet.urls, bases, decode, now, keep_from) if self.per_worker else None
+        weight, weights = self.weights.decide(busy, fleet.urls, bases, decode, now)
         return Backlogs(prompt, full, output, now, bases, weight, hit_at, min(most, prompt), everyone, rows, busy,
                         weights)
 
-    def worker_weights(self, urls: Sequence[str], bases: list[float], decode: list[float], now: float,
-                       since_at: float | None) -> list[float]:
-        """Each worker's own weight: rho / (1 - rho) of its own busy share (a queue or a KV
-        wait), averaged like the fleet's, scaled and capped as ``weight`` does."""
-        shares = self.worker_busy
-        keep = 0.0
-        if since_at is not None and self.load_window_s > 0:
-            since = now - since_at
-            keep = _exp(-since / self.load_window_s) if since > 0.0 else 1.0
-        out = []
-        scale = self.work_weight / self._full_odds if self._full_odds else 0.0
-        for url, base, dec in zip(urls, bases, decode):
-            flag = 1.0 if base - dec > 0.0 else 0.0
-            old = shares.get(url)
-            rho = flag if old is None else flag + (old - flag) * keep
-            shares[url] = rho
-            if rho >= 1.0 or not self._full_odds:
-                out.append(self.work_weight)
-            else:
-                w = rho / (1.0 - rho) * scale
-                out.append(w if w < self.work_weight else self.work_weight)
-        return out
-
-    def weight(self, busy: int, workers: int, now: float) -> float:
-        """The work weight when ``busy`` of ``workers`` have prefill (or a KV wait) queued:
-        rho / (1 - rho) of the busy share rho, averaged over the last ``load_window_s``, times
-        ``work_weight`` / its value at ``full_weight_busy`` (0.75: 3), and ``work_weight``
-        from there on (``load_aware`` false: always ``work_weight``). With ``work_weight``
-        auto (the default) the scale is 1: the weight is rho / (1 - rho) up to 3.
-
-        Why rho / (1 - rho): a miss's extra prefill delays whoever queues behind it before it
-        drains, and in a single queue at utilisation rho that is rho / (1 - rho) requests on
-        average (M/M/1's mean number in system; Little's law). So with most of the fleet idle
-        a miss costs nobody else, and a burst sharing one prefix spreads over the idle workers
-        instead of queueing on its warm worker (bench.burst_trace); on a loaded fleet a warm
-        worker keeps its conversations until its queue costs more than the prefill they
-        save several times over. Capped at ``full_weight_busy``: past it the averaged share
-        of a few workers is too coarse to tell 3 from 30 (at 7 of 8 busy the odds are 7), and
-        a larger weight piles sessions on warm workers (bench.suite: ``work_weight`` 12 and 36
-        lose to 3-4 on every workload, docs/cost-model.md). Averaged, not each decision's own
-        share: the instantaneous share lost hits on the Mooncake trace, and a burst arriving
-        after a pause still sees the pause. The first decision takes the share as it finds
-        it: starting from "busy" queued a cold start's first burst on one worker."""
-        if not self.load_aware or not workers:
-            return self.work_weight
-        share = busy / workers
-        if self._busy_at is None or self.load_window_s <= 0:  # nothing to average yet
-            self.busy_share = share
-        else:
-            since = now - self._busy_at
-            keep = _exp(-since / self.load_window_s) if since > 0.0 else 1.0
-            self.busy_share = share + (self.busy_share - share) * keep
-        self._busy_at = now
-        rho = self.busy_share
-        if rho >= 1.0 or not self._full_odds:
-            return self.work_weight
-        odds = rho / (1.0 - rho) / self._full_odds
-        return self.work_weight * odds if odds < 1.0 else self.work_weight
-
-    # -- prices -------------------------------------------------------------------------
     def hit(self, url: str, tiers: Tiers, b: Backlogs, wait: float, decode: float, kv: float,
             capacity: float) -> tuple[float, Cost3]:
         """(score, (ttft, uncached, cached)) of a worker holding ``tiers`` of the prompt, in

@@ -10,6 +10,7 @@ from index.prefix import Tiers
 from policies.base import EngineLoad, Outcome, RequestView, WorkerView
 from policies.cost_ledger import Ledger
 from policies.cost_pricer import Backlogs, Pricer, prefill_tokens
+from policies.work_weight import WorkWeight
 
 
 class Clock:
@@ -133,20 +134,34 @@ def test_the_prefill_formula():
     assert prefill_tokens(3.0, 1.0, 0.1, 0.7) == 0.7 * 3.0 * (1.0 + (1.0 + 3.0 / 2.0) * 0.1)
 
 
+def weight_of(w: WorkWeight, busy: int, workers: int, now: float) -> float:
+    return w.decide(busy, [f"w{i}" for i in range(workers)], [0.0] * workers, [0.0] * workers, now)[0]
+
+
 @pytest.mark.parametrize("busy, workers, weight", [
     (0, 4, 0.0), (1, 4, 12.0 * (1 / 3) / 3), (2, 4, 12.0 * 1.0 / 3), (3, 4, 12.0), (4, 4, 12.0), (0, 0, 12.0)])
 def test_the_weight_follows_rho_over_one_less_rho(busy, workers, weight):
-    p = pricer(ledger(Clock())[0])  # load_window_s 0: each decision's own share
-    assert p.weight(busy, workers, 1.0) == pytest.approx(weight)
-    assert pricer(ledger(Clock())[0], load_aware=False).weight(busy, workers, 1.0) == 12.0
+    assert weight_of(WorkWeight(12.0, True, 0.0, 0.75), busy, workers, 1.0) == pytest.approx(weight)  # no window
+    assert weight_of(WorkWeight(12.0, False, 0.0, 0.75), busy, workers, 1.0) == 12.0
+    assert weight_of(WorkWeight("auto", True, 0.0, 0.75), busy, workers, 1.0) == pytest.approx(weight / 4)
 
 
 def test_the_busy_share_is_averaged_over_the_window():
-    p = pricer(ledger(Clock())[0], load_window_s=1.0)
-    p.weight(4, 4, 10.0)  # the first decision takes the share as it finds it
-    assert p.busy_share == 1.0
-    p.weight(0, 4, 11.0)
-    assert p.busy_share == pytest.approx(math.exp(-1.0))
+    w = WorkWeight(12.0, True, 1.0, 0.75)
+    weight_of(w, 4, 4, 10.0)  # the first decision takes the share as it finds it
+    assert w.busy_share == 1.0
+    weight_of(w, 0, 4, 11.0)
+    assert w.busy_share == pytest.approx(math.exp(-1.0))
+
+
+def test_each_workers_weight_follows_its_own_busy_share():
+    """With ``per_worker``: a worker with a queue (its base above its decode cost) has been
+    busy all along, one without never: the full weight and none; the fleet's is half-way."""
+    w = WorkWeight("auto", True, 1.0, 0.75, per_worker=True)
+    fleet, each = w.decide(1, ["a", "b"], [0.5, 0.01], [0.01, 0.01], 10.0)
+    assert each == [3.0, 0.0] and fleet == pytest.approx(1.0)  # a share of 1/2: odds 1
+    assert w.decide(1, ["a", "b"], [0.01, 0.5], [0.01, 0.01], 11.0)[1] == pytest.approx(
+        [w.of(math.exp(-1.0)), w.of(1.0 - math.exp(-1.0))])
 
 
 def test_a_hit_priced_with_a_kv_wait_and_tier_loads():

@@ -20,7 +20,7 @@ def test_cli_strings_become_typed_values():
     assert cost.opts.work_weight == 6.0 and cost.opts.memory is False and cost.opts.seed == 7
     assert cost.opts.max_tree_size == "auto" and cost.budget.auto
     assert load_policy("cache_aware", max_tree_size="4096").index.max_units == 4096
-    assert load_policy("cost").opts.work_weight == "auto" and load_policy("cost", work_weight="AUTO").pricer.work_weight == 3.0
+    assert load_policy("cost").opts.work_weight == "auto" and load_policy("cost", work_weight="AUTO").pricer.weights.full == 3.0
 
 
 def test_yaml_reads_a_bare_off_as_false_and_engine_load_still_means_off():
