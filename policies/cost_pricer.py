@@ -13,14 +13,13 @@ the measurements behind them: docs/cost-model.md.
 ``Pricer.price`` is every worker's (ttft, uncached, cached) and score, and
 ``Pricer.cheapest`` the fast path ``select`` takes (the cheapest miss by ``min``, then
 only the hit holders priced). Both spell each float operation the same way, so they
-choose alike. The pricer holds constants and the busy-share average; everything else it
+choose alike. The pricer holds constants and the work weight; everything else it
 reads from the ledger (bookings through ``FleetBacklog`` rows, KV release schedules, the
 learned prefill speed).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -32,7 +31,6 @@ from policies.fleet_backlog import FleetBacklog, Pricing
 from policies.work_weight import WorkWeight
 
 _INF = float("inf")
-_exp = math.exp
 
 Cost3 = tuple[float, float, float]  # (ttft seconds, uncached tokens, cached tokens)
 
@@ -72,7 +70,7 @@ class Backlogs:
 
 
 class Pricer:
-    """Constants, the busy-share average and the backlog rows; prices from the ledger."""
+    """Constants, the work weight and the backlog rows; prices from the ledger."""
 
     def __init__(self, ledger: Ledger, *, host_tps: float, pool_tps: float, decode_cost_s: float,
                  attention_tokens: float, work_weight: float | str, load_aware: bool, load_window_s: float,
