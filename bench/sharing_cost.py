@@ -4,10 +4,12 @@ interleaved in every repetition.
 
 - ``alone``   ``kvgate serve --policy P`` (no ``--state-url``)
 - ``shared``  the same with ``--state-url`` of an embedded nats-server, and a second
-              replica on the same bus that receives no requests and applies every record
+              replica on the same bus that receives no requests and applies every record;
+              each request's worker claimed on JetStream first (``gateway.claims``)
+- ``no claims`` the same, ``--no-state-claims``
 
-For each: req/s and CPU µs per request of the loaded gateway (closed loop, ``wrk``); for
-``shared`` also the records it published per second, the peer's CPU µs per record applied,
+For each: req/s and CPU µs per request of the loaded gateway and of the nats-server (closed
+loop, ``wrk``); for the shared ones also the records it published per second, the peer's CPU µs per record applied,
 and the publish-to-apply lag (p50/p99 from the peer's ``kvgate_state_lag_seconds``).
 Prompts are padded to ``--prompt-tokens`` (the byte tokenizer: a token per byte), as the
 routed record carries the prompt's ids.
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     req = body(a.prompt_tokens)
     started: list[Proc] = []
-    rows: dict[str, list[dict[str, float]]] = {"alone": [], "shared": []}
+    variants = {"alone": [], "shared": ["--state-claims"], "no claims": ["--no-state-claims"]}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     try:
         with EmbeddedNats() as nats:
             stub_port = free_port()
@@ -79,23 +82,28 @@ def main(argv: list[str] | None = None) -> int:
             started.append(stub)
             stub_url = f"http://127.0.0.1:{stub_port}"
             _wait_post(stub, stub_url)
-            alone, alone_url = gateway("alone", a.server_cpus, stub_url, a.policy, [])
-            shared, shared_url = gateway("shared", a.server_cpus, stub_url, a.policy, ["--state-url", nats.url])
+            gateways = {}
+            for name, extra in variants.items():
+                bus = ["--state-url", nats.url] if extra else []
+                gateways[name] = gateway(name.replace(" ", "-"), a.server_cpus, stub_url, a.policy, bus + extra)
             peer, peer_url = gateway("peer", a.server_cpus, stub_url, a.policy, ["--state-url", nats.url])
-            started += [alone, shared, peer]
-            for proc, url in ((alone, alone_url), (shared, shared_url), (peer, peer_url)):
+            started += [proc for proc, _ in gateways.values()] + [peer]
+            for proc, url in (*gateways.values(), (peer, peer_url)):
                 _wait_post(proc, url)
-            for url in (alone_url, shared_url):  # warm-up
+            for _, url in gateways.values():  # warm-up
                 run_load("wrk", a.load_cpu, url, req, a.concurrency, 1, False)
             for rep in range(a.reps):
-                for name, proc, url in (("alone", alone, alone_url), ("shared", shared, shared_url)):
-                    cpu0, peer0 = group_cpu_seconds([proc.popen.pid]), group_cpu_seconds([peer.popen.pid])
-                    before = get_text(shared_url + "/metrics"), get_text(peer_url + "/metrics")
+                for name, (proc, url) in gateways.items():
+                    pids = [proc.popen.pid, peer.popen.pid, nats.proc.pid]
+                    cpu0, peer0, bus0 = (group_cpu_seconds([pid]) for pid in pids)
+                    before = get_text(url + "/metrics"), get_text(peer_url + "/metrics")
                     r = run_load("wrk", a.load_cpu, url, req, a.concurrency, a.duration, False)
-                    r["cpu_us"] = (group_cpu_seconds([proc.popen.pid]) - cpu0) / max(r["requests"], 1) * 1e6
-                    if name == "shared":
+                    n = max(r["requests"], 1)
+                    r["cpu_us"] = (group_cpu_seconds([proc.popen.pid]) - cpu0) / n * 1e6
+                    r["bus_us"] = (group_cpu_seconds([nats.proc.pid]) - bus0) / n * 1e6
+                    if variants[name]:
                         time.sleep(0.5)  # the last records reach the peer
-                        after = get_text(shared_url + "/metrics"), get_text(peer_url + "/metrics")
+                        after = get_text(url + "/metrics"), get_text(peer_url + "/metrics")
                         pub = (metric_value(after[0], "kvgate_state_records_total", outcome="published")
                                - metric_value(before[0], "kvgate_state_records_total", outcome="published"))
                         applied = (metric_value(after[1], "kvgate_state_records_total", outcome="applied")
@@ -106,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                         r["lag_p50_ms"] = lag_quantile(after[1], 0.5) * 1e3
                         r["lag_p99_ms"] = lag_quantile(after[1], 0.99) * 1e3
                     rows[name].append(r)
-                    print(f"rep {rep + 1} {name:7s} {r['rps']:8,.0f} req/s  CPU {r['cpu_us']:.0f} µs/req"
-                          + (f"  {r['records_s']:,.0f} records/s, peer {r['peer_us']:.1f} µs/record"
-                             if name == "shared" else ""), file=sys.stderr, flush=True)
+                    print(f"rep {rep + 1} {name:9s} {r['rps']:8,.0f} req/s  CPU {r['cpu_us']:.0f} µs/req"
+                          f" (bus {r['bus_us']:.0f})" + (f"  {r['records_s']:,.0f} records/s, peer {r['peer_us']:.1f} "
+                                                         "µs/record" if variants[name] else ""),
+                          file=sys.stderr, flush=True)
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -122,14 +131,16 @@ def main(argv: list[str] | None = None) -> int:
           f"- machine: {machine()}\n- setup: policy {a.policy}, {a.prompt_tokens}-token prompts, {a.concurrency} "
           f"connections (wrk on CPU {a.load_cpu}), gateways, peer, stub on CPU {a.server_cpus}; {a.reps} x "
           f"{a.duration} s, medians; wall {time.monotonic() - began:.0f} s\n")
-    print("| gateway | req/s | CPU µs/req | records/s published | peer CPU µs/record | lag p50 / p99 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| alone | {med('alone', 'rps'):,.0f} | {med('alone', 'cpu_us'):.0f} | - | - | - |")
-    print(f"| shared | {med('shared', 'rps'):,.0f} | {med('shared', 'cpu_us'):.0f} | {med('shared', 'records_s'):,.0f}"
-          f" | {med('shared', 'peer_us'):.1f} | {med('shared', 'lag_p50_ms'):.1f} / {med('shared', 'lag_p99_ms'):.1f}"
-          f" ms |")
-    print(f"\nshared / alone: req/s {med('shared', 'rps') / med('alone', 'rps'):.2f}x, CPU per request "
-          f"{med('shared', 'cpu_us') / med('alone', 'cpu_us'):.2f}x")
+    print("| gateway | req/s | CPU µs/req | nats-server CPU µs/req | records/s published | peer CPU µs/record "
+          "| lag p50 / p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, extra in variants.items():
+        shared = (f"{med(name, 'records_s'):,.0f} | {med(name, 'peer_us'):.1f} | {med(name, 'lag_p50_ms'):.1f} / "
+                  f"{med(name, 'lag_p99_ms'):.1f} ms" if extra else "- | - | -")
+        print(f"| {name} | {med(name, 'rps'):,.0f} | {med(name, 'cpu_us'):.0f} | {med(name, 'bus_us'):.0f} | {shared} |")
+    for name in list(variants)[1:]:
+        print(f"\n{name} / alone: req/s {med(name, 'rps') / med('alone', 'rps'):.2f}x, CPU per request "
+              f"{med(name, 'cpu_us') / med('alone', 'cpu_us'):.2f}x")
     return 0
 
 

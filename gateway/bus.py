@@ -45,6 +45,11 @@ def batch_header(n: int) -> bytes:
     return b"\xdd" + struct.pack(">I", n)
 
 
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def redacted(url: str) -> str:
     """``url`` (servers separated by commas) without the user, password or token in it."""
     return ",".join(urlsplit(u)._replace(netloc=urlsplit(u).netloc.rpartition("@")[2]).geturl()
@@ -67,13 +72,25 @@ class Bus:
         self._nc: Client | None = None
         self._batch: list[bytes] = []
         self._wake = asyncio.Event()
+        self._urgent = False
+        self._lingering: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._said: set[str] = set()  # the errors warned of since the last connection
 
-    def publish(self, record: bytes) -> None:
+    @property
+    def nc(self) -> Client | None:
+        """The connection (claims publish through it)."""
+        return self._nc
+
+    def publish(self, record: bytes, urgent: bool = False) -> None:
+        """Queue ``record``; ``urgent``: send this batch on the next turn, not after the linger."""
         self._batch.append(record)
         self._wake.set()
+        if urgent:
+            self._urgent = True
+            if self._lingering is not None:
+                _settle(self._lingering)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -154,9 +171,12 @@ class Bus:
     async def _send(self) -> None:
         while True:
             await self._wake.wait()
-            if self.linger_s:
-                await asyncio.sleep(self.linger_s)
+            if self.linger_s and not self._urgent:
+                await self._linger()
+            else:
+                await asyncio.sleep(0)  # what the rest of this turn publishes goes along
             self._wake.clear()
+            self._urgent = False
             batch, self._batch = self._batch, []
             nc = self._nc
             if nc is None:
@@ -170,6 +190,17 @@ class Bus:
                     start, size = i, 0
                 size += len(record)
             await self._put(nc, batch[start:])
+
+    async def _linger(self) -> None:
+        """Wait ``linger_s``, or until an urgent record comes."""
+        loop = asyncio.get_running_loop()
+        self._lingering = done = loop.create_future()
+        timer = loop.call_later(self.linger_s, _settle, done)
+        try:
+            await done
+        finally:
+            timer.cancel()
+            self._lingering = None
 
     async def _put(self, nc: Client, records: list[bytes]) -> None:
         try:

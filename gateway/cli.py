@@ -110,6 +110,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--state-subject", help="NATS subject of the group (default kvgate.routing)")
     g.add_argument("--state-heartbeat-secs", type=float,
                    help="how often each process says what it has in flight; a peer silent for three is gone")
+    g.add_argument("--state-claims", action=argparse.BooleanOptionalAction, default=None,
+                   help="claim each routed request's worker on the bus's JetStream first, so that processes "
+                        "deciding at once do not herd onto one worker (default on; docs/shared-state.md)")
     g.add_argument("--shutdown-grace-secs", type=float)
     g.add_argument("--processes", type=_processes, metavar="N|auto",
                    help="event-loop processes serving the one port (default 1; auto: one per usable CPU); "

@@ -67,6 +67,15 @@ class _PeersCollector:
         for outcome in ("published", "dropped", "applied", "ignored", "released", "charged"):
             records.add_metric([outcome], stats[outcome])
         yield records
+        if "claims_won" in stats:
+            claims = CounterMetricFamily("kvgate_state_claims", "Claims on a worker for a routed request "
+                                         "(won; lost to a peer's, then decided again; unsettled: went unclaimed)",
+                                         labels=["outcome"])
+            for outcome in ("won", "lost", "unsettled"):
+                claims.add_metric([outcome], stats["claims_" + outcome])
+            yield claims
+            yield GaugeMetricFamily("kvgate_state_claims_ready", "1 while claims work (a JetStream stream and consumer)",
+                                    value=stats["claims_ready"])
 
 
 class _Children:

@@ -44,12 +44,17 @@ class EmbeddedNats:
     """``with EmbeddedNats() as nats: nats.url`` (``nats://127.0.0.1:PORT``)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = -1, max_payload: int = 8 << 20,
-                 timeout: float = 10.0, conf: str = "", scheme: str = "nats") -> None:
+                 timeout: float = 10.0, conf: str = "", scheme: str = "nats",
+                 js_memory: int = 256 << 20) -> None:
         """``port`` -1: one the server picks (a restart may name the last one's). ``conf``: more
         of nats-server's configuration (a ``tls`` or ``authorization`` block); ``scheme`` of ``url``."""
         self._dir = tempfile.TemporaryDirectory(prefix="kvgate-nats-")
         conf_file = Path(self._dir.name) / "nats.conf"
-        conf_file.write_text(f"max_payload: {max_payload}\n{conf}\n")
+        # JetStream in memory only, for the group's claims (gateway.claims); nothing on disk.
+        store = Path(self._dir.name) / "js"
+        conf_file.write_text(f"max_payload: {max_payload}\n"
+                             f"jetstream {{ store_dir: {json.dumps(str(store))}, max_memory_store: {js_memory}, "
+                             f"max_file_store: 0 }}\n{conf}\n")
         args = [binary(), "-c", str(conf_file), "-a", host, "-p", str(port), "--ports_file_dir", self._dir.name]
         self.log = Path(self._dir.name) / "nats.log"
         with self.log.open("wb") as out:

@@ -44,6 +44,8 @@ log = logging.getLogger("kvgate.peers")
 class Local:
     """The gateway alone: nothing to tell anyone."""
 
+    claims: Any = None  # gateway.claims.Claims: a group's decisions, one at a time per worker
+
     def routed(self, view: RequestView, worker: WorkerView, cached: int | None) -> None: ...
     def first_token(self, view: RequestView, worker: WorkerView) -> None: ...
     def completed(self, view: RequestView, worker: WorkerView, outcome: Outcome) -> None: ...
@@ -75,7 +77,7 @@ class Peers(Local):
 
     def __init__(self, url: str, subject: str, policies: Mapping[str, Policy], workers: Mapping[str, Any],
                  heartbeat_s: float = 1.0, origin: str | None = None, wake_step_s: float = 0.01,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, claims: bool = True) -> None:
         self.origin = origin or new_origin()
         self.policies = policies
         self.workers = workers  # url -> gateway.workers.Worker (the registry's table)
@@ -94,7 +96,12 @@ class Peers(Local):
         from gateway.bus import Bus  # nats-py is imported only by a gateway that shares its state
 
         self.bus = Bus(url, subject, self.apply, self._state, name=f"kvgate {self.origin}", tls=tls)
+        if claims:
+            from gateway.claims import Claims
+
+            self.claims = Claims(subject, self.apply)
         self._timer: asyncio.Task | None = None
+        self._attaching: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.bus.start()
@@ -117,7 +124,14 @@ class Peers(Local):
     def _routed(self, view: RequestView, role: str, url: str, cached: int | None, prompt: bool, first_token: bool) -> None:
         fields = request_fields(view) if prompt else {}
         self.bus.publish(encode(Routed(self.origin, view.request_id, role, url, time.time(), cached,
-                                       first_token=first_token, **fields)))
+                                       first_token=first_token, **fields)), urgent=True)
+
+    async def claim(self, view: RequestView, worker: WorkerView, cached: int | None) -> bool:
+        """Claim ``worker`` for ``view``'s first leg (``gateway.claims``): False when a peer
+        claimed it first, and the caller should choose again."""
+        record = Routed(self.origin, view.request_id, worker.role, worker.url, time.time(), cached,
+                        **request_fields(view))
+        return await self.claims.claim(worker.url, encode(record))
 
     def first_token(self, view: RequestView, worker: WorkerView) -> None:
         mine = self.mine.get(view.request_id)
@@ -155,6 +169,11 @@ class Peers(Local):
                 self._routed(mine.view, role, leg.url, leg.cached, i == 0, leg.first_token)
 
     def _state(self, connected: bool) -> None:
+        if self.claims is not None:
+            if connected and self.bus.nc is not None:
+                self._attaching = asyncio.get_running_loop().create_task(self.claims.attach(self.bus.nc))
+            else:
+                self.claims.detach()
         if connected:
             self.bus.publish(encode(Hello(self.origin, time.time())))
             self._resend()
@@ -318,7 +337,8 @@ class Peers(Local):
         self.freed()
 
     def stats(self) -> dict[str, float]:
-        return {"connected": float(self.bus.connected), "peers": float(len(self.heard)),
+        claims = self.claims.stats() if self.claims is not None else {}
+        return {**claims, "connected": float(self.bus.connected), "peers": float(len(self.heard)),
                 "published": float(self.bus.published), "dropped": float(self.bus.dropped),
                 "applied": float(self.applied), "ignored": float(self.ignored), "released": float(self.released),
                 "charged": float(self.charged),

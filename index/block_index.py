@@ -49,6 +49,7 @@ class BlockIndex:
         self._hashed, self._by_hash, self.chains = self._keyed.hashed, self._keyed.by_hash, self._keyed.chains
         self._spec_runs, self._spec_queue, self._lru = self._spec.runs, self._spec.queue, lru
         self._last_match: tuple[str, IndexMatch] | None = None
+        self._recorded: OrderedDict[str, tuple] = OrderedDict()  # request id -> its last record, for retract
         self._last_walk: tuple | None = None  # (request id, page size, epoch, walk result)
         self._epoch = 0  # bumps on every change, so a cached walk is known to be current
         self.events_applied = 0
@@ -256,7 +257,19 @@ class BlockIndex:
         if last is not None and last[0] == request.request_id:
             # Pages the worker already holds on GPU (reported, or speculative) need no entry.
             skip = last[1].get(worker.url).gpu // ps
-        if self._spec.record(s, walked, ps, request.cache_salt or None, skip):
+        entry = self._spec.record(s, walked, ps, request.cache_salt or None, skip)
+        if entry is not None:
+            self._epoch += 1
+            self._recorded[request.request_id] = entry
+            if len(self._recorded) > 4096:  # a retract follows its record within milliseconds
+                self._recorded.popitem(last=False)
+
+    def retract(self, request: RequestView, worker: WorkerView) -> None:
+        """Undo the request's last ``record`` on ``worker`` (it went elsewhere after all)."""
+        entry = self._recorded.get(request.request_id)
+        if entry is not None and self._slots.get(worker.url) == entry[1]:
+            del self._recorded[request.request_id]
+            self._spec.retract(entry)
             self._epoch += 1
 
     def expire(self, now: float | None = None, limit: int | None = None) -> None:

@@ -72,6 +72,9 @@ class PreciseOrApprox:
         if request.text is not None and routed_by_text:
             self.approx.record(request, worker)
 
+    def retract(self, request: RequestView, worker: WorkerView) -> None:
+        self.precise.retract(request, worker)  # (the text tree's insert stays: it cannot say whose it was)
+
     def remove_worker(self, url: str) -> None:
         self.precise.remove_worker(url)
         self.approx.remove_worker(url)

@@ -80,6 +80,11 @@ class PrefixIndex(Protocol):
         (for good in the approximate index, until KV events confirm it in the precise one)."""
         ...
 
+    def retract(self, request: RequestView, worker: WorkerView) -> None:
+        """The last ``record`` of ``request`` on ``worker`` was wrong: the request went elsewhere
+        (an index that cannot tell its entries apart keeps it)."""
+        ...
+
     def remove_worker(self, url: str) -> None:
         """Forget everything about ``url`` (worker gone, or its cache state is unknown)."""
         ...

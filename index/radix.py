@@ -155,6 +155,9 @@ class RadixIndex:
         key, _, _ = self._key(request)
         self.insert_key(key, worker.url)
 
+    def retract(self, request: RequestView, worker: WorkerView) -> None:
+        """Nothing: an insert cannot be told from another request's of the same prefix."""
+
     def insert_key(self, key: str, url: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         lru = self._lru

@@ -29,15 +29,16 @@ class Speculative:
         self._roots, self._lru, self._root = roots, lru, root  # the index's, for trimming and new pages
 
     def record(self, s: int, walked: tuple[bytes, Path, Run | None, int], page_size: int, salt: str | None,
-               skip: int) -> bool:
+               skip: int) -> tuple[float, int, list[tuple[Run, int, int]]] | None:
         """Slot ``s`` holds the walked prompt's pages past its first ``skip`` on GPU for
         ``ttl_s``, the pages the trie lacks added past the walk's end (``walked``: packed ids,
-        path, end run and offset, as ``page_trie.walk``). Returns whether any page was marked."""
+        path, end run and offset, as ``page_trie.walk``). Returns the record (for ``retract``), or
+        None where no page was marked."""
         packed, path, end, at = walked
         width = 4 * page_size
         pages = len(packed) // width
         if not pages or skip >= pages:
-            return False
+            return None
         ranges: list[tuple[Run, int, int]] = []
         done = 0
         for run, n in path:
@@ -72,8 +73,9 @@ class Speculative:
                 times.extend(repeat(0.0, b - len(times)))
             times[a:b] = repeat(until, b - a)
             runs.add(run)
-        self.queue.append((until, s, ranges))
-        return True
+        entry = (until, s, ranges)
+        self.queue.append(entry)
+        return entry
 
     def expire(self, now: float | None = None, limit: int | None = None) -> int:
         """Clear the recorded entries due by ``now`` (at most ``limit`` records); returns how
@@ -83,33 +85,41 @@ class Speculative:
         taken = 0
         while q and q[0][0] <= now and limit != 0:
             limit = None if limit is None else limit - 1
-            until, s, ranges = q.popleft()
+            self._clear(q.popleft())
             taken += 1
-            clear = ~(7 << (3 * s))
-            for run, a, b in ranges:
-                times = run.until.get(s) if run.until else None
-                spec = run.spec
-                if times is None or spec is None:
-                    continue  # the worker was cleared since
-                b = min(b, len(times), len(spec))
-                if a >= b:
-                    continue
-                if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
-                    _combine(spec, a, b, and_, clear)
-                    times[a:b] = repeat(0.0, b - a)
-                    run.spec_changed(a, b)
-                else:
-                    for i in range(a, b):
-                        if times[i] == until:
-                            times[i] = 0.0
-                            spec[i] &= clear
-                    run.spec_changed(a)
-                if not any(times):
-                    self.done(run, s)
-                if not any(spec):
-                    run.spec = None
-                trim(run, self._roots, self._lru)
         return taken
+
+    def _clear(self, entry: tuple[float, int, list[tuple[Run, int, int]]]) -> None:
+        """Clear one record's bits, but on pages a later record refreshed."""
+        until, s, ranges = entry
+        clear = ~(7 << (3 * s))
+        for run, a, b in ranges:
+            times = run.until.get(s) if run.until else None
+            spec = run.spec
+            if times is None or spec is None:
+                continue  # the worker was cleared since
+            b = min(b, len(times), len(spec))
+            if a >= b:
+                continue
+            if times[a:b].count(until) == b - a:  # not refreshed by a later request: all at once
+                _combine(spec, a, b, and_, clear)
+                times[a:b] = repeat(0.0, b - a)
+                run.spec_changed(a, b)
+            else:
+                for i in range(a, b):
+                    if times[i] == until:
+                        times[i] = 0.0
+                        spec[i] &= clear
+                run.spec_changed(a)
+            if not any(times):
+                self.done(run, s)
+            if not any(spec):
+                run.spec = None
+            trim(run, self._roots, self._lru)
+
+    def retract(self, entry: tuple[float, int, list[tuple[Run, int, int]]]) -> None:
+        """Clear what ``record`` returned before its time (its queue entry then clears nothing)."""
+        self._clear(entry)
 
     def done(self, run: Run, s: int) -> None:
         """Slot ``s`` has no speculative page left on ``run``."""

@@ -130,6 +130,12 @@ class Policy:
         default books it (``on_routed``)."""
         self.on_routed(request, worker)
 
+    def on_withdrawn(self, request: RequestView, worker: WorkerView) -> None:
+        """``select``'s choice of ``worker`` will not be used: the gateway asks again (a
+        group's claim on it was lost to a peer's, ``gateway.claims``). Undo what ``select``
+        recorded for it, so that the next ``select`` does not take it for a cache hit. The
+        default does nothing."""
+
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
         """At a stream's first chunk; for a response that is not streamed, when the whole
         answer has arrived (so its time includes the decode)."""

@@ -159,6 +159,9 @@ class CacheAware(Policy):
         if self.affinity is not None:
             self.affinity.routed(request, worker, forgetting(self.index))
 
+    def on_withdrawn(self, request: RequestView, worker: WorkerView) -> None:
+        self.index.retract(request, worker)
+
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
         self.index.record(request, worker)
         self.on_routed(request, worker)

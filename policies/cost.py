@@ -245,6 +245,10 @@ class Cost(Policy):
         self._book(request, worker, times_prefill=False)
         self.ledger.spoil_sample(worker.url)
 
+    def on_withdrawn(self, request: RequestView, worker: WorkerView) -> None:
+        self.index.retract(request, worker)
+        self.ledger.withdrawn(request.request_id)
+
     def on_first_token(self, request: RequestView, worker: WorkerView) -> None:
         self.ledger.first_token(request.request_id, releases_kv=worker.role == "prefill")
 

@@ -108,6 +108,10 @@ class Ledger:
         if len(self.picked) > 100_000:
             self.picked.popitem(last=False)
 
+    def withdrawn(self, request_id: str) -> None:
+        """The decision ``chose`` recorded will not be used."""
+        self.picked.pop(request_id, None)
+
     def routed(self, request: RequestView, worker: WorkerView, full: float, *, keeps_output: bool = True,
                times_prefill: bool = True) -> None:
         """Book ``request`` on ``worker``: the work ``chose`` gave it there, else ``full``

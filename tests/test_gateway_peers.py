@@ -35,17 +35,20 @@ def routed_to(gw, url: str) -> float:
 class Stream:
     """A long streamed completion through ``gw``, read in a thread until it ends."""
 
-    def __init__(self, gw, max_tokens: int = 3000) -> None:
+    def __init__(self, gw, max_tokens: int = 3000, start: threading.Barrier | None = None) -> None:
         body = json.dumps({"model": MODEL, "prompt": "hold this worker " * 20, "max_tokens": max_tokens,
                            "ignore_eos": True, "stream": True}).encode()
         self.req = urllib.request.Request(gw.url + "/v1/completions", data=body,
                                           headers={"Content-Type": "application/json"})
         self.error: BaseException | None = None
+        self.start = start
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
+            if self.start is not None:
+                self.start.wait(10)
             with urllib.request.urlopen(self.req, timeout=120) as r:
                 r.read()
         except BaseException as exc:  # noqa: BLE001 - reported to the test
@@ -85,6 +88,20 @@ def test_a_replica_counts_what_its_peer_routed(start_gateway, sims, nats):
     assert one(b) == 200 and routed_to(b, sims[1]) == 1 and routed_to(b, sims[0]) == 0
     assert one(alone) == 200 and routed_to(alone, sims[0]) == 1  # it would have herded onto the busy one
     assert stream.error is None
+
+
+def test_replicas_deciding_at_once_claim_different_workers(start_gateway, sims, nats):
+    """Each replica's request reaches it before the other's record can: both would pick the
+    first worker, but a worker is claimed once, and the loser is told, catches up and moves."""
+    a, b = replica(start_gateway, sims, nats), replica(start_gateway, sims, nats)
+    wait_for(lambda: all(state(gw, "kvgate_state_peers") >= 1 and state(gw, "kvgate_state_claims_ready") == 1
+                         for gw in (a, b)), why="a and b hear each other and can claim")
+    start = threading.Barrier(2)
+    streams = [Stream(a, start=start), Stream(b, start=start)]
+    wait_for(lambda: sum(routed_to(gw, url) for gw in (a, b) for url in sims) == 2, why="both streams routed")
+    assert [routed_to(a, url) + routed_to(b, url) for url in sims] == [1, 1]
+    won = sum(state(gw, "kvgate_state_claims_total", outcome="won") for gw in (a, b))
+    assert won == 2 and all(s.error is None for s in streams)
 
 
 def test_a_killed_peers_requests_are_released(start_gateway, sims, nats):

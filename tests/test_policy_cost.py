@@ -235,6 +235,19 @@ def test_precise_index_with_text_fallback_is_counted():
     assert policy.stats()["fallback_requests_total"] == 1
 
 
+def test_a_withdrawn_choice_is_not_taken_for_a_hit_when_asked_again():
+    """The gateway drops a choice (its claim lost to a peer's) and asks again: what ``select``
+    recorded for the dropped one is gone, so the prompt is not priced as cached there."""
+    policy = Cost(index=BlockIndex(default_page_size=4), hold_wait_s=0)
+    ws = workers(2)
+    request = RequestView("r", "/generate", token_ids=list(range(400)))
+    first = policy.select(request, ws)
+    assert policy.index.match(RequestView("probe", "/generate", token_ids=list(range(400))), ws).hits
+    policy.on_withdrawn(request, first.worker)
+    assert not policy.index.match(RequestView("probe2", "/generate", token_ids=list(range(400))), ws).hits
+    assert policy.select(request, ws).predicted_cached_tokens == 0
+
+
 def _book(policy: Cost, worker: WorkerView, rid: str, n_tokens: int, start: int) -> None:
     req = RequestView(rid, "/generate", token_ids=list(range(start, start + n_tokens)))
     policy.select(req, [worker])

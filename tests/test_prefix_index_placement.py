@@ -357,6 +357,23 @@ def test_speculative_pages_refreshed_by_a_later_request_outlive_the_first():
     assert not index.match(req(tokens, rid="d"), WORKERS).hits and not index._roots
 
 
+def test_a_retracted_record_leaves_only_what_others_refreshed():
+    """A choice withdrawn (the request went elsewhere) takes back its pages at once, but not
+    those a later request recorded too, and its own expiry later clears nothing."""
+    index = BlockIndex(default_page_size=PS, speculative_ttl_s=30)
+    tokens = list(range(8))
+    index.record(req(tokens + [9, 9], rid="a"), WORKERS[0])
+    index.record(req(tokens, rid="b"), WORKERS[0])
+    index.retract(req(tokens + [9, 9], rid="a"), WORKERS[1])  # not where it was recorded: nothing
+    assert index.match(req(tokens + [9, 9], rid="c"), WORKERS).hits[URLS[0]].gpu == 10
+    index.retract(req(tokens + [9, 9], rid="a"), WORKERS[0])
+    assert index.match(req(tokens + [9, 9], rid="c"), WORKERS).hits[URLS[0]].gpu == 8  # b's pages stay
+    index.retract(req(tokens, rid="b"), WORKERS[0])
+    assert not index.match(req(tokens, rid="d"), WORKERS).hits and not index._roots
+    index.expire(now=index._spec_queue[-1][0] + 1)
+    assert not index._spec_queue and not index._spec_runs.get(0)
+
+
 def test_a_batch_joins_only_events_of_whole_pages():
     """One page per event is joined into one chain; an event whose token list is not whole
     pages is applied on its own, as it would be alone."""
