@@ -8,7 +8,8 @@ records with an array header), split at the server's payload limit. Each message
 few tens of microseconds in nats-py whatever its size, so a gateway that sends a message
 per turn of its event loop spends more on the bus than on routing; 2 ms of linger makes
 batches of dozens of records under load and adds 2 ms to a lag that is a heartbeat-scale
-matter for routing. While the connection is down, nats-py keeps
+matter for most records. An ``urgent`` record (a routing decision, which peers deciding at
+the same moment need) ends the linger: it and what is queued go on the next turn. While the connection is down, nats-py keeps
 published messages in its pending buffer (``pending_bytes``) and sends them on reconnect;
 past it, or before the first connection, records are dropped and counted. Connecting is
 retried in the background for as long as the process runs, and nats-py reconnects an

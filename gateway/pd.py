@@ -131,23 +131,32 @@ class Pairs:
             return (self.registry.candidates(view.model, role=role, exclude=tried.urls)
                     or (self.registry.candidates(view.model, role=role) if tried.urls else []))
 
-        prefills, decodes = pool("prefill"), pool("decode")
-        if not prefills or not decodes:
-            raise NoWorkerAvailable
-        p_views, d_views = self.registry.views(prefills), self.registry.views(decodes)
-        if self.joint:
-            chosen: Any = self.prefill_policy.select_pair(view, p_views, d_views)
-            if inspect.isawaitable(chosen):
-                chosen = await chosen
-        else:
-            chosen = await select_each(self.prefill_policy, self.decode_policy, view, p_views, d_views)
-        if isinstance(chosen, Hold):
-            return chosen
-        p_choice, d_choice = chosen
-        if isinstance(d_choice, Hold):
-            raise refused_hold(self.decode_policy)
-        return _Pick(self.registry.workers[p_choice.worker.url], self.registry.workers[d_choice.worker.url],
-                     p_choice, d_choice)
+        # In a group, a first attempt claims its prefill worker, as in unified mode (gateway.claims).
+        claims = self.peers.claims
+        tries = claims.tries if claims is not None and not tried.urls else 0
+        while True:
+            prefills, decodes = pool("prefill"), pool("decode")
+            if not prefills or not decodes:
+                raise NoWorkerAvailable
+            p_views, d_views = self.registry.views(prefills), self.registry.views(decodes)
+            if self.joint:
+                chosen: Any = self.prefill_policy.select_pair(view, p_views, d_views)
+                if inspect.isawaitable(chosen):
+                    chosen = await chosen
+            else:
+                chosen = await select_each(self.prefill_policy, self.decode_policy, view, p_views, d_views)
+            if isinstance(chosen, Hold):
+                return chosen
+            p_choice, d_choice = chosen
+            if isinstance(d_choice, Hold):
+                raise refused_hold(self.decode_policy)
+            pick = _Pick(self.registry.workers[p_choice.worker.url], self.registry.workers[d_choice.worker.url],
+                         p_choice, d_choice)
+            if tries == 0 or await self.peers.claim(view, pick.prefill.view, p_choice.predicted_cached_tokens):
+                return pick
+            self.prefill_policy.on_withdrawn(view, pick.prefill.view)
+            self.decode_policy.on_withdrawn(view, pick.decode.view)
+            tries -= 1
 
     @staticmethod
     def urls(pick: _Pick) -> tuple[str, str]:

@@ -202,3 +202,33 @@ def test_joint_pair_policy_serves_through_the_gateway(procs):
         assert status == 200 and data["meta_info"]["completion_tokens"] == 2
     metrics = get_text(gw.url + "/metrics")
     assert metric_value(metrics, "kvgate_policy_stat", policy="prefill:pd_cost", stat="hit_verified_requests_total") == 4
+
+
+def test_two_replicas_deciding_at_once_claim_different_prefill_workers(procs):
+    """PD replicas claim the prefill worker as unified ones claim theirs: two requests that
+    reach two replicas at once would both pick the first prefill worker (``least_load``)."""
+    import threading
+
+    from gateway.nats_server import EmbeddedNats
+    from tests.test_gateway_peers import Stream
+
+    with EmbeddedNats() as nats:
+        shared = ("--policy", "least_load", "--state-url", nats.url, "--state-heartbeat-secs", "0.3")
+        a, prefills, decodes = start_pd(procs, gateway_args=shared)
+        b = _start_gateway(procs, args=pd_args(prefills, [d.url for d in decodes]) + shared)
+
+        def state(gw, name, **labels):
+            return metric_value(get_text(gw.url + "/metrics"), name, **labels)
+
+        deadline = time.monotonic() + 20
+        while not all(state(gw, "kvgate_state_claims_ready") == 1 and state(gw, "kvgate_state_peers") >= 1
+                      for gw in (a, b)):
+            assert time.monotonic() < deadline, "the replicas never heard each other"
+            time.sleep(0.1)
+        start = threading.Barrier(2)
+        streams = [Stream(a, max_tokens=400, start=start), Stream(b, max_tokens=400, start=start)]
+        for s in streams:
+            s.thread.join(60)
+        assert all(s.error is None for s in streams)
+        per_prefill = [sum(state(gw, "kvgate_routed_total", worker=url) for gw in (a, b)) for url, _ in prefills]
+        assert per_prefill == [1, 1]
