@@ -33,6 +33,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Callable
+from datetime import datetime, timezone
 
 from nats.errors import Error as NatsError
 
@@ -42,6 +43,7 @@ from nats.js.errors import APIError
 
 log = logging.getLogger("kvgate.claims")
 
+STALE_S = 5.0  # a claim stored longer ago than this is only a sequence number
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-sequence check
 _LAST = re.compile(r"(\d+)\s*$")
 
@@ -105,13 +107,17 @@ class Claims:
 
     async def _received(self, msg) -> None:
         token = msg.subject.rpartition(".")[2]
-        seq = msg.metadata.sequence.stream
+        meta = msg.metadata
+        seq = meta.sequence.stream
         if seq > self.last.get(token, 0):
             self.last[token] = seq
-        try:
-            self.on_batch(msg.data)
-        except Exception:
-            log.exception("claims: could not apply a claim of %d bytes", len(msg.data))
+        # A new consumer starts from each worker's last claim, for its sequence: one from long
+        # ago is not applied (its request is over; one still in flight comes again on Hello).
+        if (datetime.now(timezone.utc) - meta.timestamp).total_seconds() < STALE_S:
+            try:
+                self.on_batch(msg.data)
+            except Exception:
+                log.exception("claims: could not apply a claim of %d bytes", len(msg.data))
         self._wake(token)
 
     def _wake(self, token: str) -> None:

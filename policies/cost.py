@@ -159,9 +159,9 @@ class Cost(Policy):
     def select(self, request: RequestView, workers: Sequence[WorkerView]) -> Choice | Hold:
         require_workers(workers)
         match = self.match(request, workers)
-        if (self.temperature > 0 and len(workers) > 1) or self.pricer.weights.per_worker:
+        if self.temperature > 0 and len(workers) > 1:
             return self._select_scored(request, workers, self.backlogs(request, workers, match))
-        b = self.backlogs(request, workers, match, exact=False)
+        b = self.backlogs(request, workers, match, exact=self.pricer.weights.per_worker)
         found = self.pricer.cheapest(b)
         if found is None:  # a hit priced above a miss (a slow pool): no shortcut
             return self._select_scored(request, workers, self.backlogs(request, workers, match))

@@ -256,17 +256,32 @@ class Pricer:
         """``price``'s first minimum without pricing every worker: every miss adds the same
         prefill, so the cheapest miss is the least backlog, and only the workers holding
         part of the prompt are priced one by one. None where a hit on the least backlog is
-        priced above its miss (a slow pool): no shortcut, ``price`` them all."""
-        bases, prompt = b.bases, b.prompt
-        i = bases.index(min(bases))
-        cost = (bases[i] + b.full, prompt, 0.0)
-        score = cost[0]  # ``price``'s score, the same operations, the same float
-        if b.weight:
-            score += prefill_tokens(prompt, 0.0, self.inv_attention, b.weight / self.ledger.prefill_tps)
+        priced above its miss (a slow pool): no shortcut, ``price`` them all. With a weight per
+        worker, the cheapest miss is the least base plus each one's weighted work (the bases
+        must be ``exact``), and a prompt in the pool gets no shortcut."""
+        bases, prompt, weights = b.bases, b.prompt, b.weights
+        if weights is None:
+            i = bases.index(min(bases))
+            cost = (bases[i] + b.full, prompt, 0.0)
+            score = cost[0]  # ``price``'s score, the same operations, the same float
+            if b.weight:
+                score += prefill_tokens(prompt, 0.0, self.inv_attention, b.weight / self.ledger.prefill_tps)
+        elif b.rows is not None:  # pool pages anyone can load: the least backlog may not stand for the rest
+            return None
+        else:  # each worker's weight on the same miss (exact bases): ``price``'s floats, inlined
+            inv_tps, full = 1.0 / self.ledger.prefill_tps, b.full
+            f = 1.0 + (0.0 + prompt / 2.0) * self.inv_attention
+            misses = [base + full + w * inv_tps * prompt * f for base, w in zip(bases, weights)]
+            score = min(misses)
+            i = misses.index(score)
+            cost = (bases[i] + full, prompt, 0.0)
         miss = best = (score, i)
         hit = self.hit
         for url, (j, tiers, state) in b.hits.items():
             score, priced = hit(url, tiers, b, *state)
+            if weights is not None:
+                ttft, uncached, cached = priced
+                score = ttft + prefill_tokens(uncached, cached, self.inv_attention, weights[j] * inv_tps)
             score = (score, j)
             if j == i:
                 if score > miss:

@@ -458,7 +458,9 @@ def _select_takes_the_lowest_score_of_predict(data) -> None:
     ps, n = 4, data.draw(st.integers(1, 8), label="workers")
     pool_tps = data.draw(st.sampled_from([2_000.0, 40_000.0]), label="pool speed")
     index = BlockIndex(default_page_size=ps)
-    policy = Cost(index=index, prefill_tokens_per_s=25_000, pool_load_tokens_per_s=pool_tps, engine_load="max")
+    weight_by = data.draw(st.sampled_from(["fleet", "worker"]), label="weight_by")
+    policy = Cost(index=index, prefill_tokens_per_s=25_000, pool_load_tokens_per_s=pool_tps, engine_load="max",
+                  weight_by=weight_by)
     prompt = list(range(1, 1 + ps * 40))
     # Every worker known to the index (as once it has published or been routed to): a prompt
     # in the shared pool is then one ``everyone`` entry, and select prices only the workers
@@ -489,6 +491,13 @@ def _select_takes_the_lowest_score_of_predict(data) -> None:
     # ``diverted`` counts the hit given up: the most any worker would reuse, less the chosen's
     cached, most = costs[ws.index(chosen.worker)][2], max(c[2] for c in costs)
     assert (policy.diverted, policy.diverted_tokens) == ((1, most - cached) if most > cached else (0, 0.0))
+    # Each worker its own work weight (weight_by=worker): the shortcut's choice is still a minimum.
+    weights = [data.draw(st.floats(0.0, 5.0), label=f"weight {i}") for i in range(n)]
+    b = replace(policy.backlogs(probe, ws), weights=weights)
+    found = policy.pricer.cheapest(b)
+    if found is not None:
+        _, scores = policy.pricer.price(b)
+        assert scores[found[0]] <= min(scores) + 1e-9
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
