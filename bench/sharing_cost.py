@@ -5,7 +5,8 @@ interleaved in every repetition.
 - ``alone``   ``kvgate serve --policy P`` (no ``--state-url``)
 - ``shared``  the same with ``--state-url`` of an embedded nats-server, and a second
               replica on the same bus that receives no requests and applies every record;
-              each request's worker claimed on JetStream first (``gateway.claims``)
+              defaults: workers claimed on JetStream (``gateway.claims``) up to 100 req/s
+- ``claims always`` the same, every decision claimed (``--state-claims-max-rps 0``)
 - ``no claims`` the same, ``--no-state-claims``
 
 For each: req/s and CPU µs per request of the loaded gateway and of the nats-server (closed
@@ -42,7 +43,7 @@ def body(prompt_tokens: int) -> str:
 def gateway(name: str, cpus: str, stub: str, policy: str, extra: list[str]) -> tuple[Proc, str]:
     port = free_port()
     proc = _start(name, cpus, "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                  "--tokenizer", "byte", "--log-level", "warning", "--worker-urls", stub, *extra)
+                  "--tokenizer", "byte", "--log-level", "warning", "--worker-urls", *stub.split(","), *extra)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -67,21 +68,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--duration", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--workers", type=int, default=4, help="stub workers (claims are per worker)")
     p.add_argument("--load-cpu", default="0")
     p.add_argument("--server-cpus", default="1")
     a = p.parse_args(argv)
     began = time.monotonic()
     req = body(a.prompt_tokens)
     started: list[Proc] = []
-    variants = {"alone": [], "shared": ["--state-claims"], "no claims": ["--no-state-claims"]}
+    variants = {"alone": [], "shared": ["--state-claims"], "claims always": ["--state-claims-max-rps", "0"],
+                "no claims": ["--no-state-claims"]}
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     try:
         with EmbeddedNats() as nats:
-            stub_port = free_port()
-            stub = _start("stub", a.server_cpus, "bench.stub_backend", "--port", str(stub_port), "--chunks", "16")
-            started.append(stub)
-            stub_url = f"http://127.0.0.1:{stub_port}"
-            _wait_post(stub, stub_url)
+            stub_urls = []
+            for i in range(a.workers):
+                stub_port = free_port()
+                stub = _start(f"stub{i}", a.server_cpus, "bench.stub_backend", "--port", str(stub_port),
+                              "--chunks", "16")
+                started.append(stub)
+                stub_urls.append(f"http://127.0.0.1:{stub_port}")
+                _wait_post(stub, stub_urls[-1])
+            stub_url = ",".join(stub_urls)
             gateways = {}
             for name, extra in variants.items():
                 bus = ["--state-url", nats.url] if extra else []
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         r["lag_p50_ms"] = lag_quantile(after[1], 0.5) * 1e3
                         r["lag_p99_ms"] = lag_quantile(after[1], 0.99) * 1e3
                     rows[name].append(r)
-                    print(f"rep {rep + 1} {name:9s} {r['rps']:8,.0f} req/s  CPU {r['cpu_us']:.0f} µs/req"
+                    print(f"rep {rep + 1} {name:13s} {r['rps']:8,.0f} req/s  CPU {r['cpu_us']:.0f} µs/req"
                           f" (bus {r['bus_us']:.0f})" + (f"  {r['records_s']:,.0f} records/s, peer {r['peer_us']:.1f} "
                                                          "µs/record" if variants[name] else ""),
                           file=sys.stderr, flush=True)
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## Cost of sharing routing state (`bench/sharing_cost.py`)\n\n"
           f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}\n- command: `{command.strip()}`\n"
           f"- machine: {machine()}\n- setup: policy {a.policy}, {a.prompt_tokens}-token prompts, {a.concurrency} "
-          f"connections (wrk on CPU {a.load_cpu}), gateways, peer, stub on CPU {a.server_cpus}; {a.reps} x "
+          f"connections (wrk on CPU {a.load_cpu}), gateways, peer, {a.workers} stubs on CPU {a.server_cpus}; {a.reps} x "
           f"{a.duration} s, medians; wall {time.monotonic() - began:.0f} s\n")
     print("| gateway | req/s | CPU µs/req | nats-server CPU µs/req | records/s published | peer CPU µs/record "
           "| lag p50 / p99 |")

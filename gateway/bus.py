@@ -8,8 +8,7 @@ records with an array header), split at the server's payload limit. Each message
 few tens of microseconds in nats-py whatever its size, so a gateway that sends a message
 per turn of its event loop spends more on the bus than on routing; 2 ms of linger makes
 batches of dozens of records under load and adds 2 ms to a lag that is a heartbeat-scale
-matter for most records. An ``urgent`` record (a routing decision, which peers deciding at
-the same moment need) ends the linger: it and what is queued go on the next turn. While the connection is down, nats-py keeps
+matter for routing. While the connection is down, nats-py keeps
 published messages in its pending buffer (``pending_bytes``) and sends them on reconnect;
 past it, or before the first connection, records are dropped and counted. Connecting is
 retried in the background for as long as the process runs, and nats-py reconnects an
@@ -46,11 +45,6 @@ def batch_header(n: int) -> bytes:
     return b"\xdd" + struct.pack(">I", n)
 
 
-def _settle(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def redacted(url: str) -> str:
     """``url`` (servers separated by commas) without the user, password or token in it."""
     return ",".join(urlsplit(u)._replace(netloc=urlsplit(u).netloc.rpartition("@")[2]).geturl()
@@ -73,8 +67,6 @@ class Bus:
         self._nc: Client | None = None
         self._batch: list[bytes] = []
         self._wake = asyncio.Event()
-        self._urgent = False
-        self._lingering: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._said: set[str] = set()  # the errors warned of since the last connection
@@ -84,14 +76,9 @@ class Bus:
         """The connection (claims publish through it)."""
         return self._nc
 
-    def publish(self, record: bytes, urgent: bool = False) -> None:
-        """Queue ``record``; ``urgent``: send this batch on the next turn, not after the linger."""
+    def publish(self, record: bytes) -> None:
         self._batch.append(record)
         self._wake.set()
-        if urgent:
-            self._urgent = True
-            if self._lingering is not None:
-                _settle(self._lingering)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -172,12 +159,9 @@ class Bus:
     async def _send(self) -> None:
         while True:
             await self._wake.wait()
-            if self.linger_s and not self._urgent:
-                await self._linger()
-            else:
-                await asyncio.sleep(0)  # what the rest of this turn publishes goes along
+            if self.linger_s:
+                await asyncio.sleep(self.linger_s)
             self._wake.clear()
-            self._urgent = False
             batch, self._batch = self._batch, []
             nc = self._nc
             if nc is None:
@@ -191,17 +175,6 @@ class Bus:
                     start, size = i, 0
                 size += len(record)
             await self._put(nc, batch[start:])
-
-    async def _linger(self) -> None:
-        """Wait ``linger_s``, or until an urgent record comes."""
-        loop = asyncio.get_running_loop()
-        self._lingering = done = loop.create_future()
-        timer = loop.call_later(self.linger_s, _settle, done)
-        try:
-            await done
-        finally:
-            timer.cancel()
-            self._lingering = None
 
     async def _put(self, nc: Client, records: list[bytes]) -> None:
         try:

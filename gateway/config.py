@@ -80,6 +80,7 @@ class GatewayConfig:
     state_subject: str = "kvgate.routing"  # one group per subject on a shared NATS
     state_heartbeat_secs: float = 1.0  # a peer silent for three is gone
     state_claims: bool = True  # decisions one at a time per worker through JetStream (gateway.claims)
+    state_claims_max_rps: float = 100.0  # a process routing more a second decides unclaimed (0: always claim)
     state_tls_ca_file: str | None = None  # CAs the bus's certificate is verified against (a tls:// URL)
     state_tls_cert_file: str | None = None  # client certificate shown to a bus that verifies clients
     state_tls_key_file: str | None = None

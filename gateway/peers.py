@@ -77,7 +77,7 @@ class Peers(Local):
 
     def __init__(self, url: str, subject: str, policies: Mapping[str, Policy], workers: Mapping[str, Any],
                  heartbeat_s: float = 1.0, origin: str | None = None, wake_step_s: float = 0.01,
-                 tls: ssl.SSLContext | None = None, claims: bool = True) -> None:
+                 tls: ssl.SSLContext | None = None, claims: bool = True, claims_max_rps: float = 100.0) -> None:
         self.origin = origin or new_origin()
         self.policies = policies
         self.workers = workers  # url -> gateway.workers.Worker (the registry's table)
@@ -99,7 +99,7 @@ class Peers(Local):
         if claims:
             from gateway.claims import Claims
 
-            self.claims = Claims(subject, self.apply)
+            self.claims = Claims(subject, self.apply, max_rps=claims_max_rps)
         self._timer: asyncio.Task | None = None
         self._attaching: asyncio.Task | None = None
 
@@ -124,7 +124,7 @@ class Peers(Local):
     def _routed(self, view: RequestView, role: str, url: str, cached: int | None, prompt: bool, first_token: bool) -> None:
         fields = request_fields(view) if prompt else {}
         self.bus.publish(encode(Routed(self.origin, view.request_id, role, url, time.time(), cached,
-                                       first_token=first_token, **fields)), urgent=True)
+                                       first_token=first_token, **fields)))
 
     async def claim(self, view: RequestView, worker: WorkerView, cached: int | None) -> bool:
         """Claim ``worker`` for ``view``'s first leg (``gateway.claims``): False when a peer

@@ -185,10 +185,11 @@ class Unified:
     async def decide(self, view: RequestView, tried: Tried) -> tuple[Worker, Choice] | Hold:
         # Prefer workers not tried yet; when every one was, any available one that did not
         # time out (a fault may be the request's bad luck, not the worker's; the breaker
-        # catches the rest). In a group, a first attempt claims its worker (gateway.claims):
-        # a peer that claimed it first has been booked here by then, and the policy is asked again.
+        # catches the rest). In a group, a first attempt with a choice to make claims its worker
+        # (gateway.claims): a peer that claimed it first has been booked here by then, and the
+        # policy is asked again.
         claims = self.peers.claims
-        tries = claims.tries if claims is not None and not tried.urls else 0
+        tries = claims.tries if claims is not None and not tried.urls and claims.wanted() else 0
         while True:
             workers = self.candidates(view, tried.urls) or (self.candidates(view, tried.timed_out) if tried.urls else [])
             if not workers:
@@ -199,7 +200,8 @@ class Unified:
             worker = self.registry.workers.get(choice.worker.url)
             if worker is None:
                 raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
-            if tries == 0 or await self.peers.claim(view, worker.view, choice.predicted_cached_tokens):
+            if tries == 0 or len(workers) == 1 or await self.peers.claim(view, worker.view,
+                                                                         choice.predicted_cached_tokens):
                 return worker, choice
             self.policy.on_withdrawn(view, worker.view)
             tries -= 1

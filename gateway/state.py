@@ -110,7 +110,8 @@ class GatewayState:
         peers: Local = ALONE
         if cfg.state_url:  # one of a group: share routing records on the bus
             self.peers = Peers(cfg.state_url, cfg.state_subject, self.policies, self.registry.workers,
-                               cfg.state_heartbeat_secs, tls=state_bus_context(cfg), claims=cfg.state_claims)
+                               cfg.state_heartbeat_secs, tls=state_bus_context(cfg), claims=cfg.state_claims,
+                               claims_max_rps=cfg.state_claims_max_rps)
             if any(p.shares_routing for p in self.policies.values()):
                 peers = self.peers
             self.metrics.watch_peers(self.peers)
