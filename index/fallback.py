@@ -73,7 +73,8 @@ class PreciseOrApprox:
             self.approx.record(request, worker)
 
     def retract(self, request: RequestView, worker: WorkerView) -> None:
-        self.precise.retract(request, worker)  # (the text tree's insert stays: it cannot say whose it was)
+        self.precise.retract(request, worker)
+        self.approx.retract(request, worker)
 
     def remove_worker(self, url: str) -> None:
         self.precise.remove_worker(url)

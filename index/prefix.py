@@ -81,8 +81,7 @@ class PrefixIndex(Protocol):
         ...
 
     def retract(self, request: RequestView, worker: WorkerView) -> None:
-        """The last ``record`` of ``request`` on ``worker`` was wrong: the request went elsewhere
-        (an index that cannot tell its entries apart keeps it)."""
+        """Undo the last ``record`` of ``request`` on ``worker``: the request went elsewhere."""
         ...
 
     def remove_worker(self, url: str) -> None:

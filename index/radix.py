@@ -74,6 +74,7 @@ class RadixIndex:
         self.nodes = 0
         self._tenant_units: dict[str, int] = {}
         self.evicted_units = 0
+        self._recorded: OrderedDict[str, tuple[str, list[_Node]]] = OrderedDict()  # request id -> what it added
         self._last_key: tuple | None = None
         self._wanted_of = SameUrls()  # the workers the last match was for
         self._wanted: set[str] = set()  # and their urls
@@ -153,12 +154,29 @@ class RadixIndex:
     # -- updates ------------------------------------------------------------------------
     def record(self, request: RequestView, worker: WorkerView) -> None:
         key, _, _ = self._key(request)
-        self.insert_key(key, worker.url)
+        added = self.insert_key(key, worker.url)
+        if added:
+            self._recorded[request.request_id] = (worker.url, added)
+            if len(self._recorded) > 4096:  # a retract follows its record within milliseconds
+                self._recorded.popitem(last=False)
 
     def retract(self, request: RequestView, worker: WorkerView) -> None:
-        """Nothing: an insert cannot be told from another request's of the same prefix."""
+        """Take back what the request's last ``record`` on ``worker`` added (the nodes that
+        did not hold ``worker`` before it), leaf first; a node that since holds ``worker``
+        below it (another request's insert) keeps it."""
+        found = self._recorded.get(request.request_id)
+        if found is None or found[0] != worker.url:
+            return
+        del self._recorded[request.request_id]
+        url = worker.url
+        for node in found[1]:
+            if url not in node.tenants or any(url in c.tenants for c in node.children.values()):
+                continue
+            self._lru.pop((node, url), None)
+            self._evict_pair(node, url, counted=False)
 
-    def insert_key(self, key: str, url: str, now: float | None = None) -> None:
+    def insert_key(self, key: str, url: str, now: float | None = None) -> list[_Node]:
+        """Insert ``key`` under ``url``; returns the nodes that did not hold ``url`` before, leaf first."""
         now = time.monotonic() if now is None else now
         lru = self._lru
         path: list[_Node] = []
@@ -190,6 +208,7 @@ class RadixIndex:
             path.append(child)
             node = child
         added = 0
+        new: list[_Node] = []
         for nd in reversed(path):  # leaf first, so every parent pair ends up behind its child
             pair = (nd, url)
             if url in nd.tenants:
@@ -197,18 +216,21 @@ class RadixIndex:
             else:
                 lru[pair] = None
                 added += len(nd.key)
+                new.append(nd)
             nd.tenants[url] = now
         if added:
             self.units += added
             self._tenant_units[url] = self._tenant_units.get(url, 0) + added
             if self.units > self.max_units:
                 self._evict_to(int(self.max_units * self.low_water))
+        return new
 
-    def _evict_pair(self, node: _Node, url: str) -> None:
+    def _evict_pair(self, node: _Node, url: str, counted: bool = True) -> None:
         del node.tenants[url]
         size = len(node.key)
         self.units -= size
-        self.evicted_units += size
+        if counted:
+            self.evicted_units += size
         left = self._tenant_units[url] - size
         if left:
             self._tenant_units[url] = left

@@ -157,3 +157,25 @@ def test_token_keys_take_the_packed_ids_and_pack_a_request_once(monkeypatch):
     # Packed ids that are not these ids (another length) are not trusted.
     stale = RequestView("stale", "/generate", token_ids=[5, 6, 7, 8, 1], packed_ids=real([9, 9]))
     assert index.match(stale, WORKERS).hits[w.url].gpu == 4
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.text("ab", min_size=1, max_size=12), st.integers(0, 3), st.booleans()),
+                min_size=1, max_size=20))
+def test_a_retracted_insert_leaves_the_tree_as_the_others_made_it(ops):
+    """Each insert may be withdrawn right after it (its request went elsewhere): the tree then
+    answers as if only the kept inserts had been made, and stays consistent."""
+    index = RadixIndex(max_units=1 << 20)
+    kept: list[tuple[str, str]] = []
+    for i, (text, tenant, withdrawn) in enumerate(ops):
+        request = RequestView(f"r{i}", "/generate", text=text)
+        index.record(request, WORKERS[tenant])
+        if withdrawn:
+            index.retract(request, WORKERS[tenant])
+        else:
+            kept.append((text, TENANTS[tenant]))
+        check_invariants(index)
+    for text, _, _ in ops:
+        match = index.match(req(text), WORKERS)
+        got = {w.url: match.get(w.url).gpu for w in WORKERS if match.get(w.url).gpu}
+        assert got == brute(kept, text)
