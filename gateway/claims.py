@@ -108,6 +108,12 @@ class Claims:
     def detach(self) -> None:
         self.ready = False
 
+    @property
+    def active(self) -> bool:
+        """Whether decisions made now claim (``wanted`` without counting one)."""
+        return self.ready and (not self.max_rps or (self._this_second <= self.max_rps
+                                                    and self._last_second <= self.max_rps))
+
     def wanted(self) -> bool:
         """Whether this decision should claim: claims work, and this process decided fewer
         than ``max_rps`` requests in this second and the last. A claim costs ~0.2 ms of this

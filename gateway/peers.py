@@ -286,9 +286,10 @@ class Peers(Local):
         all processes at once: each would see the same free room before the others' bookings
         reach it, and all would send a request there. The origin (which hears its own event
         first) goes at once; the others follow a ``wake_step_s`` apart, in a rotating order,
-        each after the bookings of those before it have arrived."""
-        if self.wake_step_s <= 0:
-            self.freed()
+        each after the bookings of those before it have arrived. While claims are on, they
+        serve that purpose better, and everyone wakes at once."""
+        if self.wake_step_s <= 0 or (self.claims is not None and self.claims.active):
+            self.freed()  # (claiming, those woken here and there take the freed worker one at a time)
             return
         ring = sorted([*self.heard, self.origin])
         at = ring.index(origin) if origin in ring else 0

@@ -94,3 +94,25 @@ def test_alive_releases_what_ended_unheard_and_unknown_workers_are_skipped():
     assert peers.stats()["released"] == 1 and "r1@peer" not in cost.ledger.live
     peers._forget("peer", "gone")
     assert [w.view.in_flight for w in workers.values()] == [0, 0] and not cost.ledger.live
+
+
+def test_held_requests_wake_at_once_while_claims_serialise_the_freed_worker():
+    """A peer's completion frees a worker: without claims this process waits its turn (the
+    origin first, then one ``wake_step_s`` per place in the ring), with them it wakes at once."""
+    import asyncio
+
+    async def woken_at_once(claiming: bool) -> bool:
+        cfg = GatewayConfig()
+        workers = {u: Worker(WorkerSpec(u), cfg) for u in URLS}
+        peers = Peers("nats://127.0.0.1:1", "t", {"unified": Cost(index="approx")}, workers, origin="me",
+                      wake_step_s=0.05)
+        woken: list[bool] = []
+        peers.freed = lambda: woken.append(True)
+        peers.claims.ready = claiming
+        peers.heard["a-peer"] = 0.0  # the ring: a-peer, me, peer (sorted): two turns after "peer"
+        peers.apply(batch(routed("r1", URLS[0], cached=0)))
+        peers.apply(batch(Completed("peer", "r1", "unified", URLS[0], 0.0, True)))
+        return bool(woken)
+
+    assert asyncio.run(woken_at_once(True)) is True
+    assert asyncio.run(woken_at_once(False)) is False
