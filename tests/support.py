@@ -51,13 +51,32 @@ def refused_address() -> Iterator[str]:
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _spaced_port(taken: set[int]) -> int:
+    """A free port whose next one is free too and neither next to one in ``taken``: a
+    simulator binds its KV-event replay socket at its KV-event port + 1."""
+    for _ in range(50):
+        port = free_port()
+        if not taken & {port - 1, port, port + 1} and _bindable(port + 1):
+            return port
+    return port
+
+
 def fill_ports(args: list[str]) -> tuple[list[str], list[int]]:
     """``args`` with every ``FREE_PORT`` replaced by a freshly picked port, and those ports in order."""
     ports: list[int] = []
     out = []
     for arg in args:
         while FREE_PORT in arg:
-            ports.append(free_port())
+            ports.append(_spaced_port(set(ports)))
             arg = arg.replace(FREE_PORT, str(ports[-1]), 1)
         out.append(arg)
     return out, ports
