@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import heapq
 import json
 import platform
 import shlex
@@ -138,8 +139,10 @@ def offered_load(records: list[TraceRecord], profile: str, workers: int, arrival
     """
     cm = CostModel(get_profile(profile))
     span = (records[-1].timestamp - records[0].timestamp) / 1000.0 / arrival_speedup
-    floor = sorted(cm.prefill_time(r.input_length) for r in records)
+    cold_s = [cm.prefill_time(r.input_length) for r in records]
+    floor = sorted(cold_s)
     cold = sum(floor)
+    queued = queue_floor([r.timestamp / 1000.0 / arrival_speedup for r in records], cold_s, workers)
     warm = sum(cm.prefill_time(round(r.input_length * (1 - hit_rate)), round(r.input_length * hit_rate))
                for r in records)
     return {"span_s": span, "req_per_s": len(records) / span if span else 0.0,
@@ -147,7 +150,22 @@ def offered_load(records: list[TraceRecord], profile: str, workers: int, arrival
             "prefill_load_at_bounded_oracle": warm / (span * workers) if span else 0.0,
             # TTFT with an idle GPU and no cache: what no router can beat (long prompts)
             "ttft_floor_mean_s": cold / len(records), "ttft_floor_p50_s": floor[len(floor) // 2],
-            "ttft_floor_p99_s": floor[int(0.99 * (len(floor) - 1))]}
+            "ttft_floor_p99_s": floor[int(0.99 * (len(floor) - 1))],
+            # ... and with the fleet's queues: one queue over every GPU, in arrival order, no cache
+            "ttft_queue_floor_mean_s": sum(queued) / len(queued), "ttft_queue_floor_p99_s": queued[int(0.99 * (len(queued) - 1))]}
+
+
+def queue_floor(arrivals_s: list[float], prefill_s: list[float], workers: int) -> list[float]:
+    """Sorted TTFTs of requests served first come first served from one queue by ``workers``
+    GPUs that never idle while a request waits: the least any router that keeps arrival
+    order and has no cache can reach once the load leaves the GPUs no idle time."""
+    free = [0.0] * workers
+    out = []
+    for t, s in sorted(zip(arrivals_s, prefill_s), key=lambda ts: ts[0]):
+        start = max(heapq.heappop(free), t)
+        heapq.heappush(free, start + s)
+        out.append(start + s - t)
+    return sorted(out)
 
 
 # ---- one run --------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench import suite
+from bench.routing_quality import queue_floor
+from bench.suite_report import floor
 from bench.trace import BLOCK, expand
 from bench.workloads import WORKLOADS, Fleet, chat, offered
 
@@ -59,6 +61,26 @@ def test_workloads_share_no_blocks_and_differ_in_reuse():
             assert not ids[x] & ids[y], (x, y)
     hit = {name: offered(make(name, 200, 0.5), FLEET)["bounded_oracle_hit_rate"] for name in WORKLOADS}
     assert hit["overload"] < 0.15 and hit["agents"] > 0.7 and hit["rag"] > 0.6
+
+
+def test_the_queue_floor_serves_in_arrival_order_on_every_gpu():
+    """One queue over the fleet: requests that find a GPU idle take their prefill alone, the
+    others wait for the first GPU to free, in arrival order."""
+    assert queue_floor([0.0, 0.0, 0.0], [1.0, 2.0, 3.0], workers=3) == [1.0, 2.0, 3.0]
+    # one GPU: the second waits for the first; the third arrives after both ended
+    assert queue_floor([0.0, 0.5, 10.0], [2.0, 1.0, 1.0], workers=1) == [1.0, 2.0, 2.5]
+    # two GPUs, three at once: the third starts where the shorter one ended
+    assert queue_floor([0.0, 0.0, 0.0], [1.0, 4.0, 1.0], workers=2) == [1.0, 2.0, 4.0]
+
+
+def test_only_a_load_past_capacity_holds_cost_to_the_queued_floor():
+    """Where the bounded oracle's prefill still exceeds the fleet, queues grow under any
+    router, and the floor is the queued one; elsewhere it is the idle GPU's."""
+    setup = offered(make("overload", 200, 1.3), FLEET)
+    assert setup["ttft_queue_floor_mean_s"] > 2 * setup["ttft_floor_mean_s"]
+    assert floor(setup) == (setup["ttft_queue_floor_mean_s"], setup["ttft_queue_floor_p99_s"])
+    calm = offered(make("overload", 200, 0.5), FLEET)
+    assert floor(calm) == (calm["ttft_floor_mean_s"], calm["ttft_floor_p99_s"])
 
 
 def test_router_specs_skip_smg_without_a_starter(monkeypatch, capsys):
