@@ -132,8 +132,7 @@ class Pairs:
                     or (self.registry.candidates(view.model, role=role) if tried.urls else []))
 
         # In a group, a first attempt claims its prefill worker, as in unified mode (gateway.claims).
-        claims = self.peers.claims
-        tries = claims.tries if claims is not None and not tried.urls and claims.wanted() else 0
+        tries = self.peers.claim_tries(first=not tried.urls)
         while True:
             prefills, decodes = pool("prefill"), pool("decode")
             if not prefills or not decodes:
@@ -152,8 +151,7 @@ class Pairs:
                 raise refused_hold(self.decode_policy)
             pick = _Pick(self.registry.workers[p_choice.worker.url], self.registry.workers[d_choice.worker.url],
                          p_choice, d_choice)
-            if tries == 0 or len(prefills) == 1 or await self.peers.claim(view, pick.prefill.view,
-                                                                          p_choice.predicted_cached_tokens):
+            if await self.peers.stands(view, pick.prefill.view, p_choice.predicted_cached_tokens, tries, len(prefills)):
                 return pick
             self.prefill_policy.on_withdrawn(view, pick.prefill.view)
             self.decode_policy.on_withdrawn(view, pick.decode.view)

@@ -46,6 +46,17 @@ class Local:
 
     claims: Any = None  # gateway.claims.Claims: a group's decisions, one at a time per worker
 
+    def claim_tries(self, first: bool) -> int:
+        """How many claims a decision may lose before it keeps its choice (0: no claims: the
+        gateway alone, a retry, or a group deciding too fast for them, ``gateway.claims``)."""
+        return 0
+
+    async def stands(self, view: RequestView, worker: WorkerView, cached: int | None, tries: int,
+                     candidates: int) -> bool:
+        """Whether a choice stands: nothing to claim, or its claim won (False: the caller
+        withdraws it and asks the policy again)."""
+        return True
+
     def routed(self, view: RequestView, worker: WorkerView, cached: int | None) -> None: ...
     def first_token(self, view: RequestView, worker: WorkerView) -> None: ...
     def completed(self, view: RequestView, worker: WorkerView, outcome: Outcome) -> None: ...
@@ -125,6 +136,14 @@ class Peers(Local):
         fields = request_fields(view) if prompt else {}
         self.bus.publish(encode(Routed(self.origin, view.request_id, role, url, time.time(), cached,
                                        first_token=first_token, **fields)))
+
+    def claim_tries(self, first: bool) -> int:
+        claims = self.claims
+        return claims.tries if claims is not None and first and claims.wanted() else 0
+
+    async def stands(self, view: RequestView, worker: WorkerView, cached: int | None, tries: int,
+                     candidates: int) -> bool:
+        return tries == 0 or candidates == 1 or await self.claim(view, worker, cached)
 
     async def claim(self, view: RequestView, worker: WorkerView, cached: int | None) -> bool:
         """Claim ``worker`` for ``view``'s first leg (``gateway.claims``): False when a peer

@@ -188,8 +188,7 @@ class Unified:
         # catches the rest). In a group, a first attempt with a choice to make claims its worker
         # (gateway.claims): a peer that claimed it first has been booked here by then, and the
         # policy is asked again.
-        claims = self.peers.claims
-        tries = claims.tries if claims is not None and not tried.urls and claims.wanted() else 0
+        tries = self.peers.claim_tries(first=not tried.urls)
         while True:
             workers = self.candidates(view, tried.urls) or (self.candidates(view, tried.timed_out) if tried.urls else [])
             if not workers:
@@ -200,8 +199,7 @@ class Unified:
             worker = self.registry.workers.get(choice.worker.url)
             if worker is None:
                 raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
-            if tries == 0 or len(workers) == 1 or await self.peers.claim(view, worker.view,
-                                                                         choice.predicted_cached_tokens):
+            if await self.peers.stands(view, worker.view, choice.predicted_cached_tokens, tries, len(workers)):
                 return worker, choice
             self.policy.on_withdrawn(view, worker.view)
             tries -= 1

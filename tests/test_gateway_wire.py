@@ -34,6 +34,7 @@ class Recorder:
         self.bodies: list[bytes] = []
         self.headers: list[dict[str, str]] = []
         self.follow_ups: list[tuple[str, str, bytes]] = []  # method, path and query, body
+        self.cookie = ""  # a Set-Cookie header on every recorded answer (a worker behind a sticky balancer)
         self.port = 0  # bound by the site; the real port is read back once it listens
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -44,7 +45,8 @@ class Recorder:
         self.bodies.append(await request.read())
         self.headers.append(dict(request.headers))
         return web.json_response({"text": "ok", "meta_info": {"id": "x", "prompt_tokens": 3, "completion_tokens": 1,
-                                                              "cached_tokens": 0}})
+                                                              "cached_tokens": 0}},
+                                 headers={"Set-Cookie": self.cookie} if self.cookie else None)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -151,6 +153,19 @@ def test_request_id_is_generated_when_absent_and_worker_key_replaces_client_key(
         status, body, _ = post(gw.url + "/generate", b'{"text":"a"}', {"Authorization": "Bearer wrong"})
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
         assert len(rec.bodies) == 1
+
+
+def test_a_cookie_one_answer_sets_never_rides_on_another_clients_request(start_gateway):
+    """The upstream session is shared by every client: a cookie a worker (or a balancer in
+    front of it) sets for one request must not be stored and sent with the next."""
+    with Recorder() as rec:
+        rec.cookie = "session=alice-secret; Path=/"
+        gw = start_gateway(rec.url.replace("127.0.0.1", "localhost"))  # (a cookie jar keeps none for IPs)
+        body = b'{"model":"rec-model","messages":[{"role":"user","content":"hi"}]}'
+        for _ in range(3):
+            assert post(gw.url + "/v1/chat/completions", body)[0] == 200
+        assert len(rec.headers) == 3
+        assert all("Cookie" not in h for h in rec.headers), rec.headers
 
 
 def test_parsers_are_any_workers_and_get_the_body_as_sent(start_gateway):
