@@ -151,7 +151,8 @@ class Pairs:
                 raise refused_hold(self.decode_policy)
             pick = _Pick(self.registry.workers[p_choice.worker.url], self.registry.workers[d_choice.worker.url],
                          p_choice, d_choice)
-            if await self.peers.stands(view, pick.prefill.view, p_choice.predicted_cached_tokens, tries, len(prefills)):
+            if not tries or await self.peers.stands(view, pick.prefill.view, p_choice.predicted_cached_tokens,
+                                                    len(prefills)):
                 return pick
             self.prefill_policy.on_withdrawn(view, pick.prefill.view)
             self.decode_policy.on_withdrawn(view, pick.decode.view)

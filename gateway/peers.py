@@ -51,10 +51,9 @@ class Local:
         gateway alone, a retry, or a group deciding too fast for them, ``gateway.claims``)."""
         return 0
 
-    async def stands(self, view: RequestView, worker: WorkerView, cached: int | None, tries: int,
-                     candidates: int) -> bool:
-        """Whether a choice stands: nothing to claim, or its claim won (False: the caller
-        withdraws it and asks the policy again)."""
+    async def stands(self, view: RequestView, worker: WorkerView, cached: int | None, candidates: int) -> bool:
+        """Whether a choice that may be claimed (``claim_tries`` left) stands: nothing to
+        claim, or its claim won (False: the caller withdraws it and asks the policy again)."""
         return True
 
     def routed(self, view: RequestView, worker: WorkerView, cached: int | None) -> None: ...
@@ -141,9 +140,8 @@ class Peers(Local):
         claims = self.claims
         return claims.tries if claims is not None and first and claims.wanted() else 0
 
-    async def stands(self, view: RequestView, worker: WorkerView, cached: int | None, tries: int,
-                     candidates: int) -> bool:
-        return tries == 0 or candidates == 1 or await self.claim(view, worker, cached)
+    async def stands(self, view: RequestView, worker: WorkerView, cached: int | None, candidates: int) -> bool:
+        return candidates == 1 or await self.claim(view, worker, cached)
 
     async def claim(self, view: RequestView, worker: WorkerView, cached: int | None) -> bool:
         """Claim ``worker`` for ``view``'s first leg (``gateway.claims``): False when a peer

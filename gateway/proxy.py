@@ -199,7 +199,7 @@ class Unified:
             worker = self.registry.workers.get(choice.worker.url)
             if worker is None:
                 raise GatewayError(500, f"policy chose unknown worker {choice.worker.url}")
-            if await self.peers.stands(view, worker.view, choice.predicted_cached_tokens, tries, len(workers)):
+            if not tries or await self.peers.stands(view, worker.view, choice.predicted_cached_tokens, len(workers)):
                 return worker, choice
             self.policy.on_withdrawn(view, worker.view)
             tries -= 1
