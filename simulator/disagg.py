@@ -38,7 +38,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from .engine import ApiError, Engine, Item
+from .engine import Engine
+from .items import ApiError, Item
 from .kv_pool import KVPool
 from .scheduler import FINISHED, Req
 

@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from .engine import ApiError, Engine
+from .engine import Engine
+from .items import ApiError
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 _enc = msgspec.json.Encoder()

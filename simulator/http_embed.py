@@ -22,7 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import ApiError, Engine, Item, check_client_ids
+from .engine import Engine
+from .items import ApiError, Item, check_client_ids
 from .generation import token_logprob
 from .http_common import ENGINE, json_object, json_response, native_error, openai_error
 from .http_native import apply_faults

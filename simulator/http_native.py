@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from .engine import ApiError, Engine, Item, sleep_forever
+from .engine import Engine, sleep_forever
+from .items import ApiError, Item
 from .http_common import DONE, ENGINE, json_response, native_error, open_sse, sse
 from .item_stream import merged
 from .metrics import CONTENT_TYPE

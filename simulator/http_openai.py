@@ -21,7 +21,8 @@ from aiohttp import web
 from wire.chat_template import sglang_tools, template_kwargs
 
 from . import logprobs
-from .engine import ApiError, Engine, Item, check_client_ids
+from .engine import Engine
+from .items import ApiError, Item, check_client_ids
 from .http_common import DONE, ENGINE, json_object, json_response, open_sse, openai_error, sse
 from .http_native import apply_faults, mid_stream_fault
 from .item_stream import merged

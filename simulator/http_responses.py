@@ -21,7 +21,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from .engine import ApiError, Engine, Item
+from .engine import Engine
+from .items import ApiError, Item
 from .http_common import ENGINE, json_object, json_response, open_sse
 from .http_native import apply_faults
 from .http_openai import chat_ids, refuse_if_embedding

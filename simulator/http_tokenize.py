@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import ApiError
+from .items import ApiError
 from .http_common import ENGINE, json_object, json_response, openai_error
 from .http_openai import chat_ids
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from .engine import ApiError, Engine, Item
+from .engine import Engine
+from .items import ApiError, Item
 from .runner import Progress, run_item
 
 

@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import Engine, Item
+from .engine import Engine
+from .items import Item
 from .scheduler import FINISHED, Req
 
 
