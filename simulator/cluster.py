@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,10 +146,25 @@ class SimCluster:
         self.pool, self.pool_segment = pool, pool_segment
         self.master = None  # pool_master.MooncakeMaster when pool=True
         self._env: dict[str, str] = {}
+        self._picked: set[int] = set()  # ports picked for this start's workers
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _port(self, offset: int) -> int:
-        return self.base_port + offset if self.base_port is not None else _free_port(self.host)
+        if self.base_port is not None:
+            return self.base_port + offset
+        return self._distinct(lambda: _free_port(self.host), 1)
+
+    def _distinct(self, pick: Callable[[], int], n: int) -> int:
+        """A port run ``pick`` found free, none of it picked before for this cluster: two free
+        picks can return the same port, and a worker's readiness check would then be answered
+        by the other worker on it (bounded)."""
+        for _ in range(100):
+            p = pick()
+            run = set(range(p, p + n))
+            if not run & self._picked:
+                self._picked |= run
+                return p
+        raise RuntimeError("no distinct free port found")
 
     def start(self) -> "SimCluster":
         """Start every worker; with ports picked here (no ``base_port``), a port another
@@ -163,6 +178,7 @@ class SimCluster:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "SimCluster":
+        self._picked = set()
         env = self._env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["PYTHONUNBUFFERED"] = "1"
@@ -192,7 +208,8 @@ class SimCluster:
                         pub = self.base_port + 200 + 2 * dp * i
                         replay = pub + dp
                     else:
-                        pub, replay = _free_run(self.host, dp), _free_run(self.host, dp)
+                        pub = self._distinct(lambda: _free_run(self.host, dp), dp)
+                        replay = self._distinct(lambda: _free_run(self.host, dp), dp)
                     cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv",
                            "replay_endpoint": f"tcp://*:{replay}"}
                     args += ["--kv-events-config", json.dumps(cfg)]
