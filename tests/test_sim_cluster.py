@@ -83,6 +83,26 @@ def test_sim_cluster_picks_again_when_a_port_is_taken_before_the_worker_binds(mo
         squatter.close()
 
 
+def test_two_workers_never_get_the_same_port_when_a_free_pick_repeats(monkeypatch):
+    """Two free-port picks can return the same port; the second worker's readiness check
+    would then be answered by the first, and a router given the list would see one URL
+    twice. The cluster picks again until its ports are distinct."""
+    import simulator.cluster as cluster
+
+    real, handed = cluster._free_port, []
+
+    def repeats_the_first(host: str) -> int:
+        port = handed[0] if len(handed) == 1 else real(host)
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(cluster, "_free_port", repeats_the_first)
+    with SimCluster(workers=2, engine_args=["--time-scale", "20"], kv_events=False) as c:
+        assert handed[0] == handed[1]  # the repeat was handed out, and passed over
+        assert len(set(c.urls)) == 2
+        assert all(http_status(u + "/health") == 200 for u in c.urls)
+
+
 def test_a_port_answering_zmq_is_not_ready_rather_than_a_crash():
     """CI once saw a worker's picked HTTP port taken first by another worker's ZMQ socket:
     the readiness poll got ZMQ's greeting and the whole cluster start raised. It must read
