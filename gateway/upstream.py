@@ -61,8 +61,8 @@ def make_session(*, connect_timeout: float, read_timeout: float, limit_per_host:
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
-        # Every client's requests share this session: a cookie a worker (or a balancer in
-        # front of it) sets on one answer must never ride on another client's request.
+        # Every client's requests share one aiohttp client: a cookie a worker (or a balancer
+        # in front of it) sets on one answer must never ride on another client's request.
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,  # bytes pass through untouched
         skip_auto_headers=("User-Agent",),
