@@ -77,8 +77,6 @@ class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions
     tpot_s: float = opt(0.03, "seconds per output token until a worker's is measured")
     hold_wait_s: float = opt(0.1, "hold a request at the gateway while every worker's wait exceeds this (0: never)")
     hold_patience: float = opt(3.0, "stop holding after this many times the still-predicted wait")
-    hold_for: str = opt("any", "which waits hold: memory (only a wait for KV memory to free), any (queues too)",
-                        choices=("memory", "any"))
     load_aware: bool = opt(True, "follow how busy the fleet is (false: always the full weight)")
     weight_by: str = opt("fleet", "whose busy share the weight follows: the fleet's, or each worker's own",
                          choices=("fleet", "worker"))
@@ -100,7 +98,6 @@ class Cost(Policy):
         self.temperature = o.temperature
         self.hold_wait_s = o.hold_wait_s
         self.hold_patience = o.hold_patience
-        self.hold_any = o.hold_for == "any"
         self.holds = 0  # decisions answered with Hold
         self.diverted = 0  # commits that passed over a worker holding more of the prompt
         self.diverted_tokens = 0.0  # the cached tokens those commits gave up
@@ -169,7 +166,7 @@ class Cost(Policy):
         if found is None:  # a hit priced above a miss (a slow pool): no shortcut
             return self._select_scored(request, workers, self.backlogs(request, workers, match))
         i, cost = found
-        return self.decide(request, workers, i, cost, b)
+        return self.decide(request, workers[i], cost, b)
 
     def _select_scored(self, request: RequestView, workers: Sequence[WorkerView], b: Backlogs) -> Choice | Hold:
         """Score every worker: softmax sampling with a ``temperature``, else the first minimum."""
@@ -180,23 +177,15 @@ class Cost(Policy):
             i = self._rng.choices(range(len(workers)), weights)[0]
         else:
             i = scores.index(best)  # first of equals
-        return self.decide(request, workers, i, costs[i], b)
+        return self.decide(request, workers[i], costs[i], b)
 
-    def decide(self, request: RequestView, workers: Sequence[WorkerView], i: int, cost: Cost3,
-               b: Backlogs) -> Choice | Hold:
-        """``hold`` the request, else ``commit`` it to ``workers[i]``."""
-        return self.hold(request, workers[i], i, cost, b) or self.commit(request, workers[i], cost, b)
+    def decide(self, request: RequestView, chosen: WorkerView, cost: Cost3, b: Backlogs) -> Choice | Hold:
+        """``hold`` the request, else ``commit`` it to ``chosen``."""
+        return self.hold(request, chosen, cost, b) or self.commit(request, chosen, cost, b)
 
-    def hold(self, request: RequestView, chosen: WorkerView, i: int, cost: Cost3, b: Backlogs) -> Hold | None:
-        """``Hold`` (late binding) while the best worker, ``chosen`` (``workers[i]``), would keep
-        the request waiting more than ``hold_wait_s`` for KV memory to free (with
-        ``hold_for=any``, for its queue too) and every other worker would keep it waiting
-        more than ``hold_wait_s``; None to commit.
-
-        Only KV waits by default: when KV frees depends on output lengths the gateway can
-        only guess, so a request bound to one worker's memory may wait behind a guess that
-        was wrong; a queue of prefill is priced from token counts and drains as predicted,
-        so holding a request the chosen worker would start after that queue only delays it.
+    def hold(self, request: RequestView, chosen: WorkerView, cost: Cost3, b: Backlogs) -> Hold | None:
+        """``Hold`` (late binding) while the best worker, ``chosen``, would keep the request
+        waiting more than ``hold_wait_s`` and so would every other; None to commit.
 
         Held, it is decided again when a routed request reaches its first token or ends
         (those decided least recently first), so it goes wherever room frees first rather
@@ -211,8 +200,7 @@ class Cost(Policy):
         if request.may_hold and self.hold_wait_s > 0:
             delay = self.pricer.delay(b, chosen.url, cost)
             if (delay > self.hold_wait_s and request.held_s < self.hold_patience * delay
-                    and min(b.bases) > self.hold_wait_s
-                    and (self.hold_any or self.pricer.memory_bound(b, i, delay))):
+                    and min(b.bases) > self.hold_wait_s):
                 self.holds += 1
                 return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
         return None

@@ -63,8 +63,6 @@ class Backlogs:
     # (urls, waits, decode, KV, capacity) of every worker, to price ``everyone`` anywhere
     busy: int = 0  # workers with prefill or a KV wait queued (what the weight follows)
     weights: list[float] | None = None  # per worker, in order, with weight_by=worker
-    waits: list[float] | None = None  # per worker, in order: the queued prefill's wait alone (no KV wait)
-    decode: list[float] | None = None  # per worker, in order: the decode steps a prefill shares
 
     def tiers(self, url: str) -> Tiers:
         hit = self.hits.get(url)
@@ -198,7 +196,7 @@ class Pricer:
         full = self.prefill(prompt, 0.0) * ledger.inv_prefill
         weight, weights = self.weights.decide(busy, fleet.urls, bases, decode, now)
         return Backlogs(prompt, full, output, now, bases, weight, hit_at, min(most, prompt), everyone, rows, busy,
-                        weights, waits, decode)
+                        weights)
 
     def hit(self, url: str, tiers: Tiers, b: Backlogs, wait: float, decode: float, kv: float,
             capacity: float) -> tuple[float, Cost3]:
@@ -303,10 +301,3 @@ class Pricer:
             _, host, pool = b.tiers(url)
             own += host / self.host_tps + pool / self.pool_tps
         return ttft - own
-
-    def memory_bound(self, b: Backlogs, i: int, delay: float) -> bool:
-        """Whether worker ``i``'s ``delay`` is set by its KV memory (the request would wait for
-        KV to free after its queued prefill is done), not by that queue alone."""
-        if b.waits is None or b.decode is None:
-            return False
-        return delay - b.decode[i] > b.waits[i] + 1e-9

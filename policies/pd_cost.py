@@ -71,7 +71,7 @@ class PDCost(Cost):
                     best = (total, i, j)
         assert best is not None
         total, i, j = best
-        prefill_choice = self.decide(request, prefills, i, costs[i], b)  # held on the prefill's queue, as in ``cost``
+        prefill_choice = self.decide(request, prefills[i], costs[i], b)  # held on the prefill's queue, as in ``cost``
         if isinstance(prefill_choice, Hold):
             return prefill_choice
         prefill_choice.reason = f"pair {total * 1000:.1f}ms"

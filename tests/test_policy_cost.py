@@ -541,9 +541,8 @@ def test_select_on_a_saturated_fleet_takes_the_lowest_score_of_predict(data):
 
 
 def _hold_setup(**kw) -> tuple[Cost, list[WorkerView], list[RequestView]]:
-    """Two workers, each with ~2 s of prefill queued (50k tokens at 25k tokens/s); queue
-    waits hold (``hold_for=any``) unless ``kw`` says otherwise."""
-    policy = Cost(**{"attention_tokens": 0, "decode_cost_s": 0.0, "hold_wait_s": 0.5, "hold_for": "any", **kw})
+    """Two workers, each with ~2 s of prefill queued (50k tokens at 25k tokens/s)."""
+    policy = Cost(attention_tokens=0, decode_cost_s=0.0, hold_wait_s=0.5, **kw)
     ws = workers(2)
     booked = []
     for i, w in enumerate(ws):
@@ -569,27 +568,6 @@ def test_hold_when_every_worker_would_keep_the_request_waiting():
     policy.on_first_token(booked[1], ws[1])
     choice = policy.select(req, ws)
     assert not isinstance(choice, Hold) and choice.worker.url == ws[1].url
-
-
-def test_hold_for_memory_holds_only_a_wait_for_kv_memory():
-    """A queue of prefill drains as its token counts say, so with ``hold_for=memory`` a
-    request whose best worker would start it after a queue is committed; one that would
-    wait there for KV memory to free (a guess from output lengths) is held until KV frees
-    somewhere."""
-    policy, ws, _ = _hold_setup(hold_for="memory")
-    assert not isinstance(policy.select(RequestView("q", "/generate", text=PROMPT, may_hold=True), ws), Hold)
-
-    policy = Cost(prefill_tokens_per_s=10_000, decode_cost_s=0.0, tpot_s=0.05, hold_wait_s=0.5, hold_for="memory")
-    full = [WorkerView(f"http://127.0.0.1:{8100 + i}", server_info={"max_total_num_tokens": 100_000})
-            for i in range(2)]
-    decoding = [_decoding(policy, w, f"d{i}", 90_000, 100) for i, w in enumerate(full)]  # ~5 s to free
-    req = RequestView("new", "/generate", token_ids=list(range(200_000, 220_000)), max_tokens=100, may_hold=True)
-    held = policy.select(req, full)
-    assert isinstance(held, Hold) and "wait" in held.reason
-    assert policy.pricer.delay(policy.backlogs(req, full), full[0].url, policy.price(req, full)[0][0]) > 4.0
-    policy.on_complete(decoding[1], full[1], Outcome(ok=True, completion_tokens=100))  # worker 1's KV is free
-    choice = policy.select(req, full)
-    assert not isinstance(choice, Hold) and choice.worker.url == full[1].url
 
 
 def test_a_held_request_stops_chasing_once_it_has_waited_as_long_as_it_would_wait():

@@ -244,7 +244,7 @@ def scenarios(monkeypatch) -> dict:
     # Precise index, three tiers and the pool; late binding, learned prefill, engine queues drained.
     index = BlockIndex(default_page_size=PS, speculative_ttl_s=2.0)
     ws = _workers(6, 60_000)
-    policy = Cost(index=index, hold_wait_s=0.1, hold_for="any", learn_prefill=True, tpot_s=0.02)
+    policy = Cost(index=index, hold_wait_s=0.1, learn_prefill=True, tpot_s=0.02)
     script = Script(clock, 1, policy, ws, index=index)
     script.run(320, 0.12)
     out["precise"] = script.finish()
@@ -253,7 +253,7 @@ def scenarios(monkeypatch) -> dict:
     index = BlockIndex(default_page_size=PS, speculative_ttl_s=1.0)
     ws = _workers(5, 30_000)
     policy = Cost(index=index, load_aware=False, work_weight=4.0, attention_tokens=20_000, tpot_s=0.05,
-                  pool_load_tokens_per_s=3_000.0, hold_for="any")  # a pool slower than prefill: hits priced above misses
+                  pool_load_tokens_per_s=3_000.0)  # a pool slower than prefill: hits priced above misses
     script = Script(clock, 2, policy, ws, index=index)
     script.run(220, 0.01)
     out["tight"] = script.finish()
@@ -261,14 +261,14 @@ def scenarios(monkeypatch) -> dict:
     # Temperature sampling: every decision fully scored.
     index = BlockIndex(default_page_size=PS)
     ws = _workers(5, 50_000)
-    policy = Cost(index=index, temperature=0.05, seed=7, pool_load_tokens_per_s=20_000.0, hold_for="any")
+    policy = Cost(index=index, temperature=0.05, seed=7, pool_load_tokens_per_s=20_000.0)
     script = Script(clock, 3, policy, ws, index=index)
     script.run(150, 0.08)
     out["sampled"] = script.finish()
 
     # The approximate tree, text and token requests, engine queues taken as reported.
     ws = _workers(4, 40_000)
-    policy = Cost(index="approx", engine_load="max", hold_wait_s=0.05, hold_for="any", prefill_tokens_per_s=12_000.0)
+    policy = Cost(index="approx", engine_load="max", hold_wait_s=0.05, prefill_tokens_per_s=12_000.0)
     script = Script(clock, 4, policy, ws, index=None, text_share=0.4)
     script.run(150, 0.1)
     out["approx"] = script.finish()
@@ -278,7 +278,7 @@ def scenarios(monkeypatch) -> dict:
     index = BlockIndex(default_page_size=PS)
     ws = _workers(4, 50_000)
     policy = Cost(index=index, drift_window=16, drift_min_samples=8, drift_degrade_above=0.35,
-                  drift_recover_below=0.3, hold_for="any")
+                  drift_recover_below=0.3)
     script = Script(clock, 6, policy, ws, index=index)
     script.run(150, 0.08)
     out["degraded"] = script.finish()
@@ -287,7 +287,7 @@ def scenarios(monkeypatch) -> dict:
     index = BlockIndex(default_page_size=PS)
     prefills = _workers(3, 40_000, hosts=3, role="prefill", port=30000)
     decodes = _workers(3, 80_000, hosts=3, role="decode", port=31000)
-    policy = PDCost(index=index, hold_wait_s=0.1, hold_for="any", decode_cost_s=0.001)
+    policy = PDCost(index=index, hold_wait_s=0.1, decode_cost_s=0.001)
     script = Script(clock, 5, policy, prefills, index=index, pd_decodes=decodes)
     script.run(150, 0.03)
     out["pd"] = script.finish()

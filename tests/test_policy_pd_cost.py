@@ -69,7 +69,7 @@ def test_a_pair_is_held_while_every_prefill_is_busy_when_asked():
     from policies.base import Hold
 
     assert load_policy("pd_cost").hold_wait_s == 0  # off by default (bench/RESULTS.md, PD section)
-    policy = load_policy("pd_cost", index="approx", attention_tokens=0, hold_wait_s=0.1, hold_for="any")
+    policy = load_policy("pd_cost", index="approx", attention_tokens=0, hold_wait_s=0.1)
     prefills = [view("http://10.0.0.1:30000", "prefill"), view("http://10.0.0.2:30000", "prefill")]
     decodes = [view("http://10.0.0.1:30001", "decode")]
     busy = []
