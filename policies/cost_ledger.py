@@ -130,6 +130,7 @@ class Ledger:
         self.avg_max_new += 0.05 * (max_new - self.avg_max_new)
         output = max_new * self.out_ratio if keeps_output else 0.0
         live = Live(worker.url, tokens, prompt + OUTPUT_SHARE * output, output, max_new, None, now)
+        self.spoil_sample(worker.url)  # a sample there no longer runs alone: this one may share its step
         if request.stream and book.queued - tokens < 1.0 and times_prefill:
             # Nothing else of ours in prefill there, and a first token that is one (a
             # response not streamed arrives after its decode)
@@ -185,8 +186,9 @@ class Ledger:
                 self._release_kv(request_id, live)
 
     def spoil_sample(self, url: str) -> None:
-        """Something this gateway did not route may be ahead of its pending sample on
-        ``url``: that first token will not time a prefill alone."""
+        """Another request may be ahead of or batched with the pending sample on ``url`` (a
+        peer's, or one of ours routed there before the sample's first token: the engine may
+        prefill both in one step): that first token will not time a prefill alone."""
         live = self.sampling.pop(url, None)
         if live is not None:
             live.alone = 0.0

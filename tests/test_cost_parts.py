@@ -91,8 +91,6 @@ def test_a_prefill_timed_alone_rescales_the_speed_and_what_booked_queues_have_le
     book.routed(req("a", 2500, stream=True), W, full=2500.0)  # nothing else there: 0.25 s, timed alone
     assert book.live["a"].alone == 0.25
     book.routed(req("b", 20_000), W2, full=20_000.0)  # 2 s queued on the other worker
-    book.routed(req("c", 2500, stream=True), W, full=2500.0)  # behind a: times no prefill alone
-    assert book.live["c"].alone == 0.0
     clock.now = 101.0  # 4x the predicted 0.25 s
     book.first_token("a")
     scale = 0.1 * math.log(4.0)
@@ -100,6 +98,13 @@ def test_a_prefill_timed_alone_rescales_the_speed_and_what_booked_queues_have_le
     assert book.prefill_samples == 1 and book.log_scale == scale
     assert book.inv_prefill == inv and book.prefill_tps == 1.0 / inv and calls[-1] == "repriced"
     assert book.book[W2.url].done == 101.0 + (102.0 - 101.0) * (inv / 1e-4)  # the second left, at the new speed
+    book.routed(req("c", 2500, stream=True), W, full=2500.0)  # alone again: a sample
+    assert book.live["c"].alone > 0.0
+    book.routed(req("d", 2500, stream=True), W, full=2500.0)  # behind c: times no prefill alone, and the
+    assert book.live["d"].alone == 0.0 and book.live["c"].alone == 0.0  # engine may prefill c and d in one step
+    clock.now = 102.0
+    book.first_token("c")
+    assert book.prefill_samples == 1
 
 
 def test_no_speed_sample_from_a_queued_engine_or_a_pool_it_does_not_fit():

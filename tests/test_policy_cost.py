@@ -317,13 +317,17 @@ def test_the_prefill_speed_is_learned_from_first_tokens_that_timed_a_prefill_alo
     queued = RequestView("q", "/generate", token_ids=list(range(900_000, 910_000)), stream=True)  # 0.5 s measured
     policy.on_routed(queued, w)
     assert policy.price(RequestView("p", "/generate", token_ids=[1] * 10), [w])[0][0][0] == pytest.approx(0.5, rel=0.06)
-    behind = RequestView("b", "/generate", token_ids=list(range(950_000, 955_000)), stream=True)
-    policy.on_routed(behind, w)  # queued behind ``queued``: its first token times both
     clock.now += 0.5
     policy.on_first_token(queued, w)
+    assert policy.stats()["prefill_samples"] == 41  # ``queued`` was alone
+    again = RequestView("a", "/generate", token_ids=list(range(920_000, 930_000)), stream=True)
+    behind = RequestView("b", "/generate", token_ids=list(range(950_000, 955_000)), stream=True)
+    policy.on_routed(again, w)
+    policy.on_routed(behind, w)  # routed before ``again``'s first token: the engine may prefill both at once
     clock.now += 3.0  # very late
+    policy.on_first_token(again, w)
     policy.on_first_token(behind, w)
-    assert policy.stats()["prefill_samples"] == 41  # ``queued`` counted, ``behind`` not
+    assert policy.stats()["prefill_samples"] == 41  # neither times a prefill alone
 
 
 def test_a_learned_speed_reprices_what_booked_queues_have_left(monkeypatch):
@@ -840,7 +844,8 @@ def test_a_peers_request_on_the_same_worker_spoils_the_prefill_sample(peer_route
     """A streamed request alone on its worker times its prefill at its first token, unless a
     peer's request reached that worker meanwhile: it may have been sent before ours reached
     the engine, so the first token may time its prefill too. A peer's own request, booked
-    from a record that came late over the bus, times nothing here."""
+    from a record that came late over the bus, times nothing here. (One of ours routed there
+    meanwhile spoils it as well: the prefill test above.)"""
     policy = Cost()
     worker = workers(1)[0]
     mine = RequestView("mine", "/generate", token_ids=list(range(4000)), stream=True)
