@@ -234,16 +234,15 @@ class Cost(Policy):
 
     def on_peer_routed(self, request: RequestView, worker: WorkerView, cached_tokens: int | None) -> None:
         """A peer's choice, recorded as ``commit`` records one, and booked. It times no
-        prefill here (its record came over the bus, late by a varying lag), and it spoils
-        this gateway's pending sample on that worker: the peer may have sent it before ours
-        reached the engine, so our first token may time its prefill too."""
+        prefill here (its record came over the bus, late by a varying lag), and, as any
+        booking does, it spoils this gateway's pending sample on that worker: the peer may
+        have sent it before ours reached the engine, so our first token may time its prefill too."""
         if cached_tokens is not None:
             self.index.record(request, worker)
             prompt = float(request.prompt_tokens_estimate)
             cached = min(float(cached_tokens), prompt)
             self.ledger.chose(request.request_id, worker.url, self.pricer.prefill(prompt - cached, cached))
         self._book(request, worker, times_prefill=False)
-        self.ledger.spoil_sample(worker.url)
 
     def on_withdrawn(self, request: RequestView, worker: WorkerView) -> None:
         self.index.retract(request, worker)
