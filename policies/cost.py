@@ -32,6 +32,7 @@ from policies.affinity import AffinityOptions, forgetting, make_affinity
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.cost_ledger import Ledger
 from policies.cost_pricer import Backlogs, Cost3, Pricer
+from policies.prefix_demand import PrefixDemand
 from policies.hit_verification import VerifierOptions, make_verifier
 from wire.options import optional, whole
 
@@ -81,6 +82,8 @@ class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions
     weight_by: str = opt("fleet", "whose busy share the weight follows: the fleet's, or each worker's own",
                          choices=("fleet", "worker"))
     load_window_s: float = opt(1.0, "window the fleet's busy share is averaged over")
+    demand_window_s: float = opt(1.0, "a copy of a held prefix shares its work charge with the requests for that "
+                                 "prefix within this window (0: never shared)")
     full_weight_busy: float = opt(0.75, "busy share from which the weight stops growing")
     learn_prefill: bool = opt(True, "learn the prefill speed from streamed first tokens that timed a prefill alone")
 
@@ -101,6 +104,7 @@ class Cost(Policy):
         self.holds = 0  # decisions answered with Hold
         self.diverted = 0  # commits that passed over a worker holding more of the prompt
         self.diverted_tokens = 0.0  # the cached tokens those commits gave up
+        self.shared_charges = 0  # commits whose work charge recent requests for their prefix shared
         self._rng = random.Random(o.seed)
         self.feed: KvEventFeed | None = None
         self.budget: TreeBudget | None = None  # set when the policy built its own tree
@@ -119,6 +123,7 @@ class Cost(Policy):
                              work_weight=o.work_weight, load_aware=o.load_aware, load_window_s=o.load_window_s,
                              full_weight_busy=o.full_weight_busy, engine_load=o.engine_load, memory=o.memory,
                              per_worker=o.weight_by == "worker")
+        self.demand = PrefixDemand(o.demand_window_s)
 
     @property
     def prefill_tps(self) -> float:
@@ -144,7 +149,11 @@ class Cost(Policy):
             match = self.match(request, workers)
         elif self.verifier.degraded:
             match = _NO_MATCH
-        return self.pricer.backlogs(request, workers, match, time.monotonic(), exact)
+        now = time.monotonic()
+        key = self.demand.key(request, match) if match.hits else None
+        b = self.pricer.backlogs(request, workers, match, now, exact, self.demand.count(key, now))
+        b.prefix = key
+        return b
 
     def price(self, request: RequestView, workers: Sequence[WorkerView],
               match: IndexMatch | None = None) -> tuple[list[Cost3], list[float]]:
@@ -215,6 +224,10 @@ class Cost(Policy):
                 self.diverted += 1
                 self.diverted_tokens += b.most - cached
         self.index.record(request, chosen)
+        if b.prefix is not None:
+            if b.shared:
+                self.shared_charges += 1
+            self.demand.add(b.prefix, b.now)
         self.ledger.chose(request.request_id, chosen.url, self.pricer.prefill(uncached, cached))
         prompt = request.prompt_tokens_estimate
         self.verifier.expect(request.request_id, cached / prompt if prompt else 0.0, round(cached))
@@ -300,6 +313,7 @@ class Cost(Policy):
         out["busy_share"] = self.pricer.weights.busy_share
         out["diverted"] = float(self.diverted)
         out["diverted_tokens"] = self.diverted_tokens
+        out["shared_charges"] = float(self.shared_charges)
         if self.feed is not None:
             out.update(self.feed.stats())
         if self.affinity is not None:

@@ -20,7 +20,7 @@ learned prefill speed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -63,6 +63,8 @@ class Backlogs:
     # (urls, waits, decode, KV, capacity) of every worker, to price ``everyone`` anywhere
     busy: int = 0  # workers with prefill or a KV wait queued (what the weight follows)
     weights: list[float] | None = None  # per worker, in order, with weight_by=worker
+    prefix: Hashable | None = None  # the deepest held prefix's key (``PrefixDemand``)
+    shared: bool = False  # whether the weight was shared with recent requests for it
 
     def tiers(self, url: str) -> Tiers:
         hit = self.hits.get(url)
@@ -94,7 +96,7 @@ class Pricer:
 
     # -- the backlogs -------------------------------------------------------------------
     def backlogs(self, request: RequestView, workers: Sequence[WorkerView], match: IndexMatch, now: float,
-                 exact: bool = True) -> Backlogs:
+                 exact: bool = True, demand: float = 0.0) -> Backlogs:
         """Every worker's cost with no hit, and where the hits are. Split so ``cheapest`` can
         take the cheapest miss with ``min`` and price only the few workers that hold part of
         the prompt. The rows come from ``FleetBacklog`` (kept across decisions); this prices
@@ -108,7 +110,10 @@ class Pricer:
         as its base and is not priced further, nor is one whose first booked request ends
         after that cheapest (``memory_first``): ``min(bases)`` and its place stay what
         pricing everyone gives, the other bases may be low. Only workers with a queue wait
-        are skipped, so ``busy`` (which counts KV waits on idle queues) stays exact."""
+        are skipped, so ``busy`` (which counts KV waits on idle queues) stays exact.
+
+        ``demand``: the other recent requests for the deepest held prefix
+        (``policies.prefix_demand``); the work weight is shared with them, 1 / (1 + demand)."""
         ledger = self.ledger
         prompt = float(request.prompt_tokens_estimate)
         output = ledger.expected_output(request.max_tokens)
@@ -195,8 +200,13 @@ class Pricer:
                         most = everyone.total
         full = self.prefill(prompt, 0.0) * ledger.inv_prefill
         weight, weights = self.weights.decide(busy, fleet.urls, bases, decode, now)
+        if demand > 0.0:
+            share = 1.0 / (1.0 + demand)
+            weight *= share
+            if weights is not None:
+                weights = [w * share for w in weights]
         return Backlogs(prompt, full, output, now, bases, weight, hit_at, min(most, prompt), everyone, rows, busy,
-                        weights)
+                        weights, shared=demand > 0.0)
 
     def hit(self, url: str, tiers: Tiers, b: Backlogs, wait: float, decode: float, kv: float,
             capacity: float) -> tuple[float, Cost3]:

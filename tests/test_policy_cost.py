@@ -857,3 +857,19 @@ def test_a_peers_request_on_the_same_worker_spoils_the_prefill_sample(peer_route
         policy.on_first_token(theirs, worker)
     policy.on_first_token(mine, worker)
     assert policy.stats()["prefill_samples"] == (0 if peer_routes_there else 1)
+
+
+@pytest.mark.parametrize("window_s, home_keeps", [(0.0, 6), (1.0, 1)])
+def test_a_copy_of_a_prefix_many_requests_want_shares_its_charge_with_them(monkeypatch, window_s, home_keeps):
+    """Three of four workers busy: the fleet's weight is full (3) and the warm worker's queue
+    (0.5 s) is less than a miss charged three times over, so requests for its prefix stay
+    there. Counting the requests for that prefix within the window, the second that asks
+    shares a copy's charge with the first (1.5), which is less than the queue, and goes to
+    the idle worker; from then on both hold it. (Decided, not booked: the queues stay.)"""
+    policy, ws, home, prefix = _warm_home(monkeypatch, 4, 12_500, demand_window_s=window_s)
+    for i, w in enumerate([w for w in ws if w is not home][:2]):
+        _book(policy, w, f"other{i}", 20_000, 20_000_000 + i * 100_000)
+    landed = [policy.select(text_req(f"asked{i}", prefix + f"question {i}"), ws).worker.url for i in range(6)]
+    assert landed.count(home.url) == home_keeps
+    assert policy.stats()["busy_share"] == pytest.approx(0.75)
+    assert policy.stats()["shared_charges"] == (5 if window_s else 0)  # every ask after the first
