@@ -32,8 +32,8 @@ from policies.affinity import AffinityOptions, forgetting, make_affinity
 from policies.base import Choice, Hold, Outcome, Policy, RequestView, WorkerView, opt, require_workers
 from policies.cost_ledger import Ledger
 from policies.cost_pricer import Backlogs, Cost3, Pricer
-from policies.prefix_demand import PrefixDemand
 from policies.hit_verification import VerifierOptions, make_verifier
+from policies.prefix_demand import PrefixDemand
 from wire.options import optional, whole
 
 _NO_MATCH = IndexMatch()  # read only: what a degraded verifier lets the pricer see
@@ -150,7 +150,7 @@ class Cost(Policy):
         elif self.verifier.degraded:
             match = _NO_MATCH
         now = time.monotonic()
-        key = self.demand.key(request, match) if match.hits else None
+        key = self.demand.key(request, match) if match.hits and self.demand.on else None  # off: no work
         b = self.pricer.backlogs(request, workers, match, now, exact, self.demand.count(key, now))
         b.prefix = key
         return b

@@ -37,6 +37,10 @@ class PrefixDemand:
         self.max_keys = max_keys
         self._counts: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (count, at)
 
+    @property
+    def on(self) -> bool:
+        return self.window_s > 0.0
+
     @staticmethod
     def key(request: RequestView, match: IndexMatch) -> Hashable | None:
         """The deepest prefix some worker holds (past what every worker reuses), or None."""
