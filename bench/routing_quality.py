@@ -269,6 +269,7 @@ def analyse(run: dict, oracle: float, bounded: float, a: argparse.Namespace) -> 
         "verified_cached_tokens": p.get("hit_actual_tokens_total"),
         "held": p.get("kvgate_held_total"), "hold_s_total": p.get("kvgate_hold_seconds_sum"),
         "hold_decisions": p.get("holds"),  # decisions that answered Hold (a held request's re-decisions)
+        "holds_expired": p.get("holds_expired"),  # commits still predicted to wait, held out of patience
         "diverted": p.get("diverted"), "diverted_tokens": p.get("diverted_tokens"),
         "prefill_tokens_per_s": p.get("prefill_tokens_per_s"), "prefill_samples": p.get("prefill_samples"),
         "lost_diverted": run["hit_loss"].get("diverted"), "lost_evicted": run["hit_loss"].get("evicted"),

@@ -102,6 +102,7 @@ class Cost(Policy):
         self.hold_wait_s = o.hold_wait_s
         self.hold_patience = o.hold_patience
         self.holds = 0  # decisions answered with Hold
+        self.holds_expired = 0  # commits still predicted to wait past hold_wait_s: held hold_patience x that long
         self.diverted = 0  # commits that passed over a worker holding more of the prompt
         self.diverted_tokens = 0.0  # the cached tokens those commits gave up
         self.shared_charges = 0  # commits whose work charge recent requests for their prefix shared
@@ -208,10 +209,11 @@ class Cost(Policy):
         there, and would reach that worker one first token at a time while others idle."""
         if request.may_hold and self.hold_wait_s > 0:
             delay = self.pricer.delay(b, chosen.url, cost)
-            if (delay > self.hold_wait_s and request.held_s < self.hold_patience * delay
-                    and min(b.bases) > self.hold_wait_s):
-                self.holds += 1
-                return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
+            if delay > self.hold_wait_s and min(b.bases) > self.hold_wait_s:
+                if request.held_s < self.hold_patience * delay:
+                    self.holds += 1
+                    return Hold(retry_s=min(max(delay - self.hold_wait_s, 0.05), 1.0), reason=f"wait {delay:.2f}s")
+                self.holds_expired += 1
         return None
 
     def commit(self, request: RequestView, chosen: WorkerView, cost: Cost3, b: Backlogs) -> Choice:
@@ -309,6 +311,7 @@ class Cost(Policy):
             out.update(self.budget.stats())
         out.update(self.ledger.stats())
         out["holds"] = float(self.holds)
+        out["holds_expired"] = float(self.holds_expired)
         out["work_weight"] = self.pricer.weights.last
         out["busy_share"] = self.pricer.weights.busy_share
         out["diverted"] = float(self.diverted)
