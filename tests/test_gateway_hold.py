@@ -303,3 +303,75 @@ def test_retries_that_find_no_room_back_off():
 
     decisions, held_s = asyncio.run(main())
     assert held_s >= 1.5 and 5 <= decisions <= 12, (decisions, held_s)
+
+
+def test_a_newcomer_waits_behind_held_requests_of_its_model():
+    """Room that frees while requests are held goes to them, not to whoever arrives next:
+    a newcomer that the policy would send at once waits behind the held request of its
+    model, while one for another model goes straight away. (The gateway's hold path in
+    process.)"""
+    import asyncio
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.proxy import Proxy
+    from policies import Choice, Hold, Policy, RequestView, WorkerView
+
+    worker = WorkerView("http://127.0.0.1:9")
+    room_free = False
+
+    class HoldsUntilFree(Policy):
+        name = "holds_until_free"
+
+        def select(self, request, workers):
+            if request.may_hold and not room_free:
+                return Hold(retry_s=0.2)
+            return Choice(workers[0])
+
+    async def main() -> list[str]:
+        nonlocal room_free
+        policy, order = HoldsUntilFree(), []
+        proxy = Proxy(None, policy, None, GatewayMetrics(), max_retries=0, max_hold_s=5)  # type: ignore[arg-type]
+
+        async def go(rid: str, model: str) -> None:
+            view = RequestView(rid, "/generate", text="hello", model=model)
+            await proxy.attempts.choose(view, lambda v: asyncio.sleep(0, policy.select(v, [worker])), first=True)
+            order.append(rid)
+
+        first = asyncio.create_task(go("held", "m"))
+        await asyncio.sleep(0.05)
+        assert order == [] and proxy.attempts.holds.held == 1
+        room_free = True  # from now on the policy would send anything at once
+        others = [asyncio.create_task(go("newcomer", "m")), asyncio.create_task(go("other model", "n"))]
+        await asyncio.wait_for(asyncio.gather(first, *others), 5)
+        return order
+
+    assert asyncio.run(main()) == ["other model", "held", "newcomer"]
+
+
+def test_the_hold_room_hands_a_turn_to_the_first_of_the_same_model():
+    import asyncio
+
+    from gateway.hold import HoldRoom
+
+    async def main() -> list[str]:
+        room, order = HoldRoom(max_hold_s=10), []
+
+        async def held(name: str, model: str) -> None:
+            await room.wait(5, None, model)
+            order.append(name)
+
+        tasks = [asyncio.create_task(held(n, m)) for n, m in (("a1", "a"), ("b1", "b"), ("a2", "a"))]
+        await asyncio.sleep(0.01)
+        assert room.outranked(None, "a") and room.outranked(None, "b") and not room.outranked(None, "c")
+        room.handover(None, "b")
+        await asyncio.sleep(0.01)
+        assert order == ["b1"] and not room.outranked(None, "b") and room.held == 2
+        room.handover(None, "a")
+        await asyncio.sleep(0.01)
+        assert order == ["b1", "a1"]
+        room.notify()
+        await asyncio.gather(*tasks)
+        assert room.held == 0 and not room.outranked(None, "a")
+        return order
+
+    assert asyncio.run(main()) == ["b1", "a1", "a2"]
