@@ -62,7 +62,7 @@ class PrefixDemand:
 
     def count(self, key: Hashable | None, now: float) -> float:
         """Requests committed for ``key`` within about the last window (decayed), 0 for None."""
-        if key is None or not self.window_s > 0.0:
+        if key is None or not self.on:
             return 0.0
         got = self._counts.get(key)
         if got is None:
@@ -72,7 +72,7 @@ class PrefixDemand:
 
     def add(self, key: Hashable | None, now: float) -> None:
         """One more request committed for ``key``."""
-        if key is None or not self.window_s > 0.0:
+        if key is None or not self.on:
             return
         counts = self._counts
         counts[key] = (self.count(key, now) + 1.0, now)
