@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.proxy")
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
-# A request that finds others held ahead of it (gateway.hold) waits its turn without a decision
-DEFERRED = Hold(retry_s=0.05, reason="behind held requests")
+# A QoS request that finds others held ahead of it waits its turn without a decision
+DEFERRED = Hold(retry_s=0.05, reason="behind held requests of its class or a more urgent one")
 T = TypeVar("T")
 P = TypeVar("P")
 
@@ -212,7 +212,7 @@ class Attempts(Generic[P]):
         may_hold = first and self.holds.max_hold_s > 0 and (ticket is None or ticket.hold)
         if view.may_hold is not may_hold:
             view = view.holding(may_hold, view.held_s)
-        if may_hold and self.holds.outranked(ticket, view.model):
+        if ticket is not None and may_hold and self.holds.outranked(ticket):
             result: T | Hold = DEFERRED  # not decided: a decision books its worker
         else:
             result = await decide(view)
@@ -243,11 +243,11 @@ class Attempts(Generic[P]):
         try:
             while True:
                 left = room.max_hold_s - (time.monotonic() - start)
-                woken = left > 0 and await room.wait(min(timeout, left), ticket, view.model)
+                woken = left > 0 and await room.wait(min(timeout, left), ticket)
                 held_s = time.monotonic() - start
                 view = view.holding(held_s < room.max_hold_s, held_s)
-                if not woken and view.may_hold and room.outranked(ticket, view.model):
-                    room.handover(ticket, view.model)  # its retry time is the turn of whoever is first
+                if not woken and view.may_hold and room.outranked(ticket):
+                    room.handover(ticket)  # its retry time is the turn of whoever is first
                     timeout = max(held.retry_s, min(2 * timeout, 1.0))
                     continue
                 result = await decide(view)

@@ -16,15 +16,6 @@ room it found may hold more, and a freed burst of room still fills. A request he
 goes to the back of the line, so a few requests that cannot start yet (long prompts
 waiting for KV memory) do not take every event's turns from younger ones that could.
 Each decision books its worker before the next one runs.
-
-Held requests go first: a newcomer that finds requests of its model held waits behind
-them without a decision (a decision books a worker), so room an event frees goes to those
-waiting longest, not to whoever arrives next; otherwise, under saturation, each newcomer
-that happened to arrive as room freed took it, and held requests waited until their
-patience ran out and were then sent into queues as long as the ones they were held from.
-A held request whose retry time comes while others of its model are held gives that turn
-to the first of them (``handover``). Models wait apart: held requests of one model never
-keep another's newcomers waiting.
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ class HoldRoom:
     def __init__(self, max_hold_s: float, wake: int = 16) -> None:
         self.max_hold_s = max_hold_s
         self.wake = max(int(wake), 0)  # waiters decided again per event; 0: every one
-        self._waiters: dict[asyncio.Future[None], str | None] = {}  # -> model; least recently decided first
-        self._by_model: dict[str | None, int] = {}  # waiters per model
+        self._waiters: dict[asyncio.Future[None], None] = {}  # least recently decided first
 
     @property
     def held(self) -> int:
@@ -53,51 +43,36 @@ class HoldRoom:
         if self.wake:
             self._wake(1)
 
-    # A QoS room (``gateway.qos_queues``) orders its ticketed waiters by their tickets; this
-    # one keeps them in the order of their last decision and reads only their model.
-    def outranked(self, ticket: Any, model: str | None = None) -> bool:
-        """Whether a request (its ``ticket``, its ``model``) must let held requests decide first."""
-        return self._by_model.get(model, 0) > 0
+    # A QoS room (``gateway.qos_queues``) orders its waiters by their tickets; this one
+    # keeps them in the order of their last decision and reads no ticket.
+    def outranked(self, ticket: Any) -> bool:
+        """Whether a request with ``ticket`` must let held requests decide before it."""
+        return False
 
-    def handover(self, ticket: Any, model: str | None = None) -> None:
-        """The retry time of a request came while others outrank it: the first of them decides."""
-        for fut, of in self._waiters.items():
-            if of == model and not fut.done():
-                self._release(fut)
-                fut.set_result(None)
-                return
+    def handover(self, ticket: Any) -> None:
+        """The retry time of a request with ``ticket`` came while others outrank it."""
 
     def dispatched(self, ticket: Any) -> None:
         """A request with ``ticket`` goes to a worker now (held or not)."""
-
-    def _release(self, fut: asyncio.Future[None]) -> None:
-        model = self._waiters.pop(fut)
-        left = self._by_model[model] - 1
-        if left:
-            self._by_model[model] = left
-        else:
-            del self._by_model[model]
 
     def _wake(self, n: int) -> None:
         waiters = self._waiters
         while n > 0 and waiters:
             fut = next(iter(waiters))
-            self._release(fut)
+            del waiters[fut]
             if not fut.done():
                 fut.set_result(None)
                 n -= 1
 
-    async def wait(self, timeout: float, ticket: Any = None, model: str | None = None) -> bool:
+    async def wait(self, timeout: float, ticket: Any = None) -> bool:
         """Until an event wakes it (True) or ``timeout`` seconds pass (False). A caller an
         event woke reports with ``committed`` when its request then goes to a worker."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[fut] = model
-        self._by_model[model] = self._by_model.get(model, 0) + 1
+        self._waiters[fut] = None
         try:
             await asyncio.wait_for(fut, max(timeout, 0.0))
             return True
         except asyncio.TimeoutError:
             return False
         finally:  # wait_for cancelled the future on timeout or cancellation
-            if fut in self._waiters:
-                self._release(fut)
+            self._waiters.pop(fut, None)

@@ -136,25 +136,23 @@ class FairHoldRoom(HoldRoom):
         else:
             self._wake_in(self.queue(ticket.model), 1)
 
-    def outranked(self, ticket: Any, model: str | None = None) -> bool:
+    def outranked(self, ticket: Any) -> bool:
         if ticket is None:
-            return super().outranked(None, model)
+            return False
         q = self.queues.get(ticket.model)
         return q is not None and q.ahead_of(ticket)
 
-    def handover(self, ticket: Any, model: str | None = None) -> None:
-        if ticket is None:
-            super().handover(None, model)
-        else:
+    def handover(self, ticket: Any) -> None:
+        if ticket is not None:
             self._wake_in(self.queue(ticket.model), 1)
 
     def dispatched(self, ticket: Any) -> None:
         self.queue(ticket.model).charge(ticket)
         self.on_dispatch(ticket)
 
-    async def wait(self, timeout: float, ticket: Any = None, model: str | None = None) -> bool:
+    async def wait(self, timeout: float, ticket: Any = None) -> bool:
         if ticket is None:
-            return await super().wait(timeout, None, model)
+            return await super().wait(timeout)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         q = self.queue(ticket.model)
         waiter: Waiter = q.push(ticket, fut)
