@@ -39,7 +39,7 @@ def floor(setup: dict) -> tuple[float, float]:
     """The TTFT floor (mean, p99) a workload's rows are held to: every request alone on an
     idle GPU with no cache; where the load leaves no room (its prefill at the bounded
     oracle's hit rate is the fleet's capacity or more, so queues must grow under any router)
-    the no-cache floor with the fleet's queues (``routing_quality.queue_floor``)."""
+    the no-cache floor with the fleet's queues (``bench.offered_load.queue_floor``)."""
     if setup["prefill_load_at_bounded_oracle"] >= 1.0 and "ttft_queue_floor_mean_s" in setup:
         return setup["ttft_queue_floor_mean_s"], setup["ttft_queue_floor_p99_s"]
     return setup["ttft_floor_mean_s"], setup["ttft_floor_p99_s"]

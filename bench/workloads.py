@@ -5,7 +5,7 @@ returning Mooncake-format records (``bench.trace.TraceRecord``: 512-token hash-i
 millisecond timestamps), so ``bench.replay`` and ``bench.routing_quality`` replay them as
 they replay the conversation trace. ``size`` is about how many requests; ``load`` is the
 offered prefill load as a share of the fleet's prefill capacity at the capacity-bounded
-oracle's hit rate (``routing_quality.offered_load``): the arrival times are stretched or
+oracle's hit rate (``bench.offered_load``): the arrival times are stretched or
 compressed until the slice asks exactly that of the fleet, so a workload loads any fleet
 alike. Block ids of different workloads never meet (each has its own id range).
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from simulator.profiles import get_profile
 
 from .burst_trace import bursts as burst_records
+from .offered_load import offered_load
 from .trace import BLOCK, DEFAULT_TRACE, TraceRecord, bounded_oracle_hit_rate, load_trace
 
 
@@ -37,10 +38,8 @@ class Fleet:
 
 
 def offered(records: list[TraceRecord], fleet: Fleet) -> dict:
-    """``routing_quality.offered_load`` of these records as they are (no arrival speedup),
-    at the capacity-bounded oracle's hit rate, plus that rate."""
-    from .routing_quality import offered_load
-
+    """``offered_load`` of these records as they are (no arrival speedup), at the
+    capacity-bounded oracle's hit rate, plus that rate."""
     bounded = bounded_oracle_hit_rate(records, fleet.capacity_tokens)
     return {**offered_load(records, fleet.profile, fleet.workers, 1.0, bounded), "bounded_oracle_hit_rate": bounded}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import suite
-from bench.routing_quality import queue_floor
+from bench.offered_load import queue_floor
 from bench.suite_report import floor
 from bench.trace import BLOCK, expand
 from bench.workloads import WORKLOADS, Fleet, chat, offered
