@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.decision_cost import _p99, conversation, fill, fleet, rss_mib, timed  # noqa: E402
+from bench.decision_cost import conversation, fill, fleet, rss_mib  # noqa: E402
+from bench.decision_cost_live import _p99, timed  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import RequestView  # noqa: E402
