@@ -40,15 +40,15 @@ def timed(fn, requests, workers) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
-def _p99(us: list[float]) -> float:
+def p99(us: list[float]) -> float:
     us = sorted(us)
     return us[min(len(us) - 1, int(len(us) * 0.99))]
 
 
 def row(name: str, times: tuple[list[float], list[float]]) -> str:
     wall, cpu = times
-    return (f"| {name} | {len(wall)} | {statistics.median(cpu):.1f} | {_p99(cpu):.1f} "
-            f"| {statistics.median(wall):.1f} | {_p99(wall):.1f} |")
+    return (f"| {name} | {len(wall)} | {statistics.median(cpu):.1f} | {p99(cpu):.1f} "
+            f"| {statistics.median(wall):.1f} | {p99(wall):.1f} |")
 
 
 def event_rows(precise: BlockIndex, workers: list[WorkerView], first_turn: Callable[[int], list[int]], n_conv: int,

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.decision_cost import conversation, fill, fleet, rss_mib  # noqa: E402
-from bench.decision_cost_live import _p99, timed  # noqa: E402
+from bench.decision_cost_live import p99, timed  # noqa: E402
 from bench.host import cpu_name, interpreter_ns_per_step  # noqa: E402
 from gateway.app import tune_gc  # noqa: E402
 from policies.base import RequestView  # noqa: E402
@@ -85,8 +85,8 @@ def one(budget: int, blocks: int, page_size: int, conv_pages: int, batches: int,
     return {"budget": budget, "rss_mib": mem, "build_s": build_s, "held": held,
             "evicted": index.evicted, "dropped": index.dropped,
             "store_evicted": index.evicted - evicted0,
-            "store_page_median": statistics.median(per_page), "store_page_p99": _p99(per_page),
-            "decision_median": statistics.median(dcpu), "decision_p99": _p99(dcpu)}
+            "store_page_median": statistics.median(per_page), "store_page_p99": p99(per_page),
+            "decision_median": statistics.median(dcpu), "decision_p99": p99(dcpu)}
 
 
 def main() -> None:
