@@ -230,7 +230,7 @@ class Cost(Policy):
             if b.shared:
                 self.shared_charges += 1
             self.demand.add(b.prefix, b.now)
-        self.ledger.chose(request.request_id, chosen.url, self.pricer.prefill(uncached, cached))
+        self.ledger.chose(request.request_id, chosen.url, self.pricer.prefill(uncached, cached), uncached)
         prompt = request.prompt_tokens_estimate
         self.verifier.expect(request.request_id, cached / prompt if prompt else 0.0, round(cached))
         reason = "degraded" if self.verifier.degraded else "ttft"
@@ -256,7 +256,8 @@ class Cost(Policy):
             self.index.record(request, worker)
             prompt = float(request.prompt_tokens_estimate)
             cached = min(float(cached_tokens), prompt)
-            self.ledger.chose(request.request_id, worker.url, self.pricer.prefill(prompt - cached, cached))
+            uncached = prompt - cached
+            self.ledger.chose(request.request_id, worker.url, self.pricer.prefill(uncached, cached), uncached)
         self._book(request, worker, times_prefill=False)
 
     def on_withdrawn(self, request: RequestView, worker: WorkerView) -> None:

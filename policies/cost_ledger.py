@@ -40,7 +40,7 @@ class Live:
 
     url: str
     tokens: float  # prefill work still queued (linear-token equivalents); 0 after the first token
-    footprint: float  # KV tokens it holds on the engine
+    footprint: float  # KV tokens it adds on the engine: its uncached prompt and a share of its output
     output: float  # output tokens expected: max_tokens x the share requests have been using
     max_tokens: float
     first_token_at: float | None = None
@@ -66,7 +66,7 @@ class Ledger:
         self.avg_uncached = 0.0  # average prefill work per routed request
         self.avg_max_new = 256.0
         self.out_ratio = 1.0  # completion tokens / max_tokens, learned from completions
-        self.picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # chose -> routed
+        self.picked: OrderedDict[str, tuple[str, float, float]] = OrderedDict()  # chose -> routed
         self.live: dict[str, Live] = {}
         self.kv: dict[str, KvReleases] = {}  # worker -> its live requests (KV they hold)
         self.tpot: dict[str, float] = {}  # worker -> measured seconds per output token
@@ -101,10 +101,11 @@ class Ledger:
         return releases.first(now, queue_wait, self.tpot.get(url, self.default_tpot_s))
 
     # -- the request's life -------------------------------------------------------------
-    def chose(self, request_id: str, url: str, tokens: float) -> None:
-        """A decision sent ``request_id`` to ``url`` with ``tokens`` of prefill work (its hit
-        counted); ``routed`` books it."""
-        self.picked[request_id] = (url, tokens)
+    def chose(self, request_id: str, url: str, tokens: float, uncached: float | None = None) -> None:
+        """A decision sent ``request_id`` to ``url`` with ``tokens`` of prefill work and
+        ``uncached`` prompt tokens not in its cache (None: the whole prompt); ``routed``
+        books it."""
+        self.picked[request_id] = (url, tokens, -1.0 if uncached is None else uncached)
         if len(self.picked) > 100_000:
             self.picked.popitem(last=False)
 
@@ -119,9 +120,11 @@ class Ledger:
         before any output (a PD prefill worker); ``times_prefill`` false: its first token
         times more than a prefill (a PD prefill worker's waits for the transfer)."""
         prompt = float(request.prompt_tokens_estimate)
-        url, tokens = self.picked.pop(request.request_id, (worker.url, full))
+        url, tokens, uncached = self.picked.pop(request.request_id, (worker.url, full, -1.0))
         if url != worker.url:
-            tokens = full
+            tokens, uncached = full, -1.0
+        if uncached < 0.0:
+            uncached = prompt
         book = self.booked(worker.url)
         book.queued += tokens
         now = self.clock()
@@ -129,7 +132,9 @@ class Ledger:
         max_new = float(request.max_tokens if request.max_tokens is not None else self.avg_max_new)
         self.avg_max_new += 0.05 * (max_new - self.avg_max_new)
         output = max_new * self.out_ratio if keeps_output else 0.0
-        live = Live(worker.url, tokens, prompt + OUTPUT_SHARE * output, output, max_new, None, now)
+        # The KV it adds: its cached prefix is already there, and held by whoever else uses it
+        # (the engine's own report counts shared pages once: ``FleetBacklog``).
+        live = Live(worker.url, tokens, uncached + OUTPUT_SHARE * output, output, max_new, None, now)
         self.spoil_sample(worker.url)  # a sample there no longer runs alone: this one may share its step
         if request.stream and book.queued - tokens < 1.0 and times_prefill:
             # Nothing else of ours in prefill there, and a first token that is one (a

@@ -111,7 +111,8 @@ class FleetBacklog:
         self.avg = avg
         self.max_fleets = max_fleets
         self._fleets: list[Fleet] = []
-        self._avg_at: dict[str, tuple[EngineLoad, float]] = {}  # url -> (report, avg when first seen)
+        # url -> (report, avg prompt and booked KV when it was first seen)
+        self._seen: dict[str, tuple[EngineLoad, float, float]] = {}
 
     def touch(self, url: str) -> None:
         """``url``'s bookings changed."""
@@ -237,10 +238,10 @@ class FleetBacklog:
         done = book.done if queued > 0.0 else -_INF  # the booked queue drains with the clock
         wait = 0.0  # what does not drain: an engine's queue as reported, with engine_load=max
         if load is not None:
+            seen = self._seen.get(url)
+            if seen is None or (seen[0] is not load and seen[0] != load):  # a new report (by value)
+                seen = self._seen[url] = (load, self.avg(), kv)
             if p.engine_load != "off":  # traffic this gateway did not route still occupies the engine
-                seen = self._avg_at.get(url)
-                if seen is None or (seen[0] is not load and seen[0] != load):  # a new report (by value)
-                    seen = self._avg_at[url] = (load, self.avg())
                 backlog = load.waiting * seen[1]
                 if p.engine_load == "drain":  # drains from the report's time, like the booked queue
                     if backlog > 0.0:
@@ -252,8 +253,12 @@ class FleetBacklog:
                 if load.running > running:
                     running = load.running
             capacity = load.max_tokens
-            if load.used_tokens > kv:
-                kv = load.used_tokens
+            # The engine's count (shared prefixes once) plus what was booked or released here
+            # since it was read; a booking counts only the KV it adds (``Ledger.routed``), so
+            # alone it misses the prefixes it locks.
+            reported = load.used_tokens + kv - seen[2]
+            if reported > kv:
+                kv = reported
         fleet.from_info.discard(i)
         if kv and p.memory:  # nothing held: nothing to wait for
             if not capacity:

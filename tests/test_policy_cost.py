@@ -408,6 +408,40 @@ def test_a_worker_whose_kv_pool_is_booked_full_makes_requests_wait(memory):
         assert choice.worker.url == full.url
 
 
+def test_requests_sharing_a_cached_prefix_hold_its_kv_once():
+    """Requests on one worker that reuse its cached system prompt hold that prompt's KV once
+    (the engine locks shared pages once): each books only the KV it adds, and the engine's
+    report counts the shared pages. Booking every prompt whole would see this 30k pool as
+    full after four of them and make the next wait for decodes to end (tpot 1 s)."""
+    policy = Cost(tpot_s=1.0, decode_cost_s=0.0, hold_wait_s=0.0)
+    w = WorkerView("http://127.0.0.1:8100", server_info={"max_total_num_tokens": 30_000})
+    system = "system " * 4000  # ~7000 tokens by the text estimate
+    for i in range(5):
+        req = text_req(f"q{i}", system + f"question {i} " * 40)
+        assert policy.select(req, [w]).worker.url == w.url
+        policy.on_routed(req, w)
+        policy.on_first_token(req, w)
+    assert policy.ledger.book[w.url].kv < 12_000  # one prompt whole, four questions
+    w = w.reported(load=EngineLoad(running=5, used_tokens=10_000, max_tokens=30_000))
+    ttft = policy.price(text_req("next", system + "question next " * 40), [w])[0][0][0]
+    assert ttft < 1.0
+
+
+def test_a_booking_after_the_engines_report_adds_to_it():
+    """The engine's count of used KV is read every poll; what this gateway books after it is
+    not in it yet and adds to it (traffic from elsewhere fills the first 20k here)."""
+    policy = Cost(tpot_s=1.0, decode_cost_s=0.0, hold_wait_s=0.0)
+    w = WorkerView("http://127.0.0.1:8100", load=EngineLoad(used_tokens=20_000, max_tokens=30_000))
+    first = RequestView("first", "/generate", token_ids=list(range(8_000)), max_tokens=100)
+    assert policy.select(first, [w]).worker.url == w.url  # the report is read: 20k used
+    policy.on_routed(first, w)
+    policy.on_first_token(first, w)
+    probe = RequestView("p", "/generate", token_ids=list(range(50_000, 53_000)), max_tokens=100)
+    assert policy.price(probe, [w])[0][0][0] > 50.0  # 20k + 8k booked + 3k does not fit in 30k
+    w = w.reported(load=EngineLoad(running=1, used_tokens=12_000, max_tokens=30_000))  # the others ended
+    assert policy.price(probe, [w])[0][0][0] < 1.0
+
+
 def test_completions_free_booked_kv_and_teach_the_time_per_token():
     policy = Cost(tpot_s=1.0)
     w = WorkerView("http://127.0.0.1:8100", server_info={"max_total_num_tokens": 50_000})
@@ -666,7 +700,8 @@ def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
     """Every worker's backlog recomputed from the bookings and reports, as ``cost`` did on
     every decision before ``FleetBacklog`` kept rows (a reported queue's drain written as
     the time it ends, and its waiting requests priced at the average prefill when that
-    report was first seen: ``avg_at``). Returns the bases, the hit states and the busy count."""
+    report was first seen: ``avg_at``, which keeps the booked KV then too). Returns the
+    bases, the hit states and the busy count."""
     from policies.fleet_backlog import IDLE
 
     prompt = float(request.prompt_tokens_estimate)
@@ -687,7 +722,9 @@ def _backlogs_by_definition(policy, request, workers, match, now, avg_at):
                 elif backlog > 0:  # the reported queue drains at the prefill rate from its report
                     drained_at = max(drained_at, load.timestamp + backlog * inv_prefill)
                 running = max(running, load.running)
-            capacity, kv = load.max_tokens, max(kv, load.used_tokens)
+            # the engine's count plus what was booked or released since that report was first seen
+            kv_then = avg_at.setdefault(("kv", url, repr(load)), kv)
+            capacity, kv = load.max_tokens, max(kv, load.used_tokens + kv - kv_then)
         wait, decode = max(static, drained_at - now, 0.0), running * policy.pricer.decode_cost_s
         if kv and policy.pricer.rows.pricing.memory:
             capacity = capacity or w.server_info.get("max_total_num_tokens") or 0
