@@ -66,7 +66,7 @@ class Ledger:
         self.avg_uncached = 0.0  # average prefill work per routed request
         self.avg_max_new = 256.0
         self.out_ratio = 1.0  # completion tokens / max_tokens, learned from completions
-        self.picked: OrderedDict[str, tuple[str, float, float]] = OrderedDict()  # chose -> routed
+        self.picked: OrderedDict[str, tuple[str, float, float | None]] = OrderedDict()  # chose -> routed
         self.live: dict[str, Live] = {}
         self.kv: dict[str, KvReleases] = {}  # worker -> its live requests (KV they hold)
         self.tpot: dict[str, float] = {}  # worker -> measured seconds per output token
@@ -105,7 +105,7 @@ class Ledger:
         """A decision sent ``request_id`` to ``url`` with ``tokens`` of prefill work and
         ``uncached`` prompt tokens not in its cache (None: the whole prompt); ``routed``
         books it."""
-        self.picked[request_id] = (url, tokens, -1.0 if uncached is None else uncached)
+        self.picked[request_id] = (url, tokens, uncached)
         if len(self.picked) > 100_000:
             self.picked.popitem(last=False)
 
@@ -120,11 +120,9 @@ class Ledger:
         before any output (a PD prefill worker); ``times_prefill`` false: its first token
         times more than a prefill (a PD prefill worker's waits for the transfer)."""
         prompt = float(request.prompt_tokens_estimate)
-        url, tokens, uncached = self.picked.pop(request.request_id, (worker.url, full, -1.0))
+        url, tokens, uncached = self.picked.pop(request.request_id, (worker.url, full, None))
         if url != worker.url:
-            tokens, uncached = full, -1.0
-        if uncached < 0.0:
-            uncached = prompt
+            tokens, uncached = full, None
         book = self.booked(worker.url)
         book.queued += tokens
         now = self.clock()
@@ -134,7 +132,8 @@ class Ledger:
         output = max_new * self.out_ratio if keeps_output else 0.0
         # The KV it adds: its cached prefix is already there, and held by whoever else uses it
         # (the engine's own report counts shared pages once: ``FleetBacklog``).
-        live = Live(worker.url, tokens, uncached + OUTPUT_SHARE * output, output, max_new, None, now)
+        adds = prompt if uncached is None else uncached
+        live = Live(worker.url, tokens, adds + OUTPUT_SHARE * output, output, max_new, None, now)
         self.spoil_sample(worker.url)  # a sample there no longer runs alone: this one may share its step
         if request.stream and book.queued - tokens < 1.0 and times_prefill:
             # Nothing else of ours in prefill there, and a first token that is one (a
