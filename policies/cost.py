@@ -17,6 +17,7 @@ A request's session key credits its last worker where the index knows less
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -37,6 +38,7 @@ from policies.prefix_demand import PrefixDemand
 from wire.options import optional, whole
 
 _NO_MATCH = IndexMatch()  # read only: what a degraded verifier lets the pricer see
+log = logging.getLogger("kvgate.policies.cost")
 
 
 def _clock() -> float:
@@ -225,6 +227,8 @@ class Cost(Policy):
             if b.most > cached:
                 self.diverted += 1
                 self.diverted_tokens += b.most - cached
+                if log.isEnabledFor(logging.DEBUG):
+                    self._log_diverted(request, chosen, cost, b)
         self.index.record(request, chosen)
         if b.prefix is not None:
             if b.shared:
@@ -235,6 +239,14 @@ class Cost(Policy):
         self.verifier.expect(request.request_id, cached / prompt if prompt else 0.0, round(cached))
         reason = "degraded" if self.verifier.degraded else "ttft"
         return Choice(chosen, round(cached), f"{reason} {ttft * 1000:.1f}ms")
+
+    def _log_diverted(self, request: RequestView, chosen: WorkerView, cost: Cost3, b: Backlogs) -> None:
+        """Debug: the hit given up, and what its deepest holder was predicted to cost."""
+        url, (_, tiers, (wait, decode, kv, capacity)) = max(b.hits.items(), key=lambda h: sum(h[1][1]))
+        _, (held_ttft, _, held) = self.pricer.hit(url, tiers, b, wait, decode, kv, capacity)
+        log.debug("diverted %s: %s predicted TTFT %.3fs with %.0f cached tokens; holder %s %.3fs with %.0f; "
+                  "work weight %.2f, held %.2fs", request.request_id, chosen.url, cost[0], cost[2], url, held_ttft,
+                  held, b.weight, request.held_s)
 
     # -- bookkeeping (the ledger's; a PD prefill worker's KV leaves at its first token) ----
     def on_routed(self, request: RequestView, worker: WorkerView) -> None:

@@ -37,7 +37,7 @@ def test_registered_and_options_parse_from_strings():
         Cost(index="bogus")
 
 
-def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
+def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill(caplog):
     policy = Cost(prefill_tokens_per_s=10_000)
     ws = workers()
     first = policy.select(text_req("a"), ws)
@@ -52,11 +52,16 @@ def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill():
         policy.select(big, [first.worker])
         policy.on_routed(big, first.worker)
     assert policy.stats()["diverted"] == 0
-    moved = policy.select(text_req("c", PROMPT + " other"), ws)
+    with caplog.at_level("DEBUG", logger="kvgate.policies.cost"):
+        moved = policy.select(text_req("c", PROMPT + " other"), ws)
     assert moved.worker.url != first.worker.url
     # The hit it left behind is counted: one decision, the ~1000 cached tokens.
     assert policy.stats()["diverted"] == 1
     assert 990 <= policy.stats()["diverted_tokens"] <= 1001
+    # ... and at debug, logged with what its holder was predicted to cost (2+ s of queue).
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("diverted c:")]
+    held_ttft = float(line.split(f"holder {first.worker.url} ")[1].split("s ")[0])
+    assert held_ttft > 1.5 and f"{moved.worker.url} predicted TTFT" in line
     assert policy.stats()["queued_prefill_tokens"] >= 15_000
     # Completion frees the backlog.
     for i in range(3):
