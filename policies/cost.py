@@ -84,7 +84,7 @@ class CostOptions(RadixOptions, PreciseOptions, VerifierOptions, AffinityOptions
     weight_by: str = opt("fleet", "whose busy share the weight follows: the fleet's, or each worker's own",
                          choices=("fleet", "worker"))
     load_window_s: float = opt(1.0, "window the fleet's busy share is averaged over")
-    demand_window_s: float = opt(0.0, "a copy of a held prefix shares its work charge with the requests for that "
+    demand_window_s: float = opt(1.0, "a copy of a held prefix shares its work charge with the requests for that "
                                  "prefix within this window (0: never shared)")
     full_weight_busy: float = opt(0.75, "busy share from which the weight stops growing")
     learn_prefill: bool = opt(True, "learn the prefill speed from streamed first tokens that timed a prefill alone")

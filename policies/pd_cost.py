@@ -33,6 +33,8 @@ class PDCostOptions(CostOptions):
     same_host_bytes_per_s: float = opt(150e9, "transfer bandwidth when both legs share a host")
     cross_host_bytes_per_s: float = opt(25e9, "transfer bandwidth across hosts (the RDMA NIC)")
     hold_wait_s: float = opt(0.0, "late binding on the prefill queue (0: never hold)")
+    demand_window_s: float = opt(0.0, "share a prefill copy's work charge with recent requests for its prefix "
+                                 "(0: never; see cost)")
 
 
 class PDCost(Cost):
