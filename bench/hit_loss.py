@@ -19,6 +19,10 @@ evictions for diversions. Both are shares of all prompt tokens, like the hit rat
 routing. Joined by the replay's ``rid`` (``replay-N-...``), which both kvgate and
 sglang-router pass through to the engine.
 
+Where the gateway ran ``cost`` at ``--log-level debug`` (the bench's
+``KVGATE_BENCH_LOG_LEVEL=debug``), its log in the same directory also says what each hit
+given up bought: the TTFT the chosen worker was predicted to save over the prefix's holder.
+
     python -m bench.hit_loss LOG_DIR_OR_FILES... [--limit 800]
 """
 
@@ -32,6 +36,8 @@ from pathlib import Path
 from .trace import BLOCK, DEFAULT_TRACE, TraceRecord, block_spans, engine_cap, load_trace
 
 _LINE = re.compile(r"rid=replay-(\d+)-\S* prompt=(\d+) cached=(\d+)")
+_DIVERTED = re.compile(r"diverted \S+: \S+ predicted TTFT ([\d.]+)s with (\d+) cached tokens; "
+                       r"holder \S+ ([\d.]+)s with (\d+)")
 
 
 def served(logs: str | Path | Iterable[Path]) -> dict[int, tuple[str, int]]:
@@ -91,6 +97,26 @@ def split(records: Sequence[TraceRecord], by_index: Mapping[int, tuple[str, int]
             "requests_diverted": float(moved)}
 
 
+def diversions(gateway_log: str | Path, long_s: float = 2.0) -> dict[str, float]:
+    """``cost``'s diversions in a gateway log written at debug level: how many, the cached
+    tokens given up, and the TTFT they were predicted to save (the holder's less the chosen
+    worker's) in total, at the median, and for those that saved more than ``long_s``."""
+    saved: list[tuple[float, float]] = []  # (seconds saved, tokens given up)
+    with open(gateway_log, errors="replace") as f:
+        for line in f:
+            m = _DIVERTED.search(line)
+            if m:
+                chosen_ttft, chosen_cached, held_ttft, held = map(float, m.groups())
+                saved.append((held_ttft - chosen_ttft, held - chosen_cached))
+    if not saved:
+        return {}
+    seconds = sorted(s for s, _ in saved)
+    long = [(s, t) for s, t in saved if s > long_s]
+    return {"diverted": float(len(saved)), "tokens": sum(t for _, t in saved), "saved_s": sum(seconds),
+            "saved_s_median": seconds[len(seconds) // 2], "long": float(len(long)),
+            "long_tokens": sum(t for _, t in long), "long_saved_s": sum(s for s, _ in long)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", help="one run's engine request logs (simulator --log-requests), "
@@ -105,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     s = split(load_trace(a.trace, a.limit), got)
     print(f"{len(got)} requests: hit {s['hit']:.4f}, lost diverted {s['diverted']:.4f} "
           f"({s['requests_diverted']:.0f} requests), lost evicted {s['evicted']:.4f} (shares of prompt tokens)")
+    gateway = sorted(Path(a.logs[0]).glob("router*.log")) if Path(a.logs[0]).is_dir() else []
+    d = diversions(gateway[0]) if gateway else {}
+    if d:
+        print(f"cost diverted {d['diverted']:.0f} requests, {d['tokens']:.0f} cached tokens given up, predicted to "
+              f"save {d['saved_s']:.1f} s of TTFT (median {d['saved_s_median']:.3f} s); {d['long']:.0f} of them "
+              f"over 2 s: {d['long_tokens']:.0f} tokens, {d['long_saved_s']:.1f} s")
     return 0
 
 

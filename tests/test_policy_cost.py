@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.hit_loss import diversions
 from policies.base import EngineLoad, Hold, Outcome, RequestView, WorkerView
 from index.block_index import BlockIndex
 from index.views import Workers, new_membership
@@ -37,7 +38,7 @@ def test_registered_and_options_parse_from_strings():
         Cost(index="bogus")
 
 
-def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill(caplog):
+def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill(caplog, tmp_path):
     policy = Cost(prefill_tokens_per_s=10_000)
     ws = workers()
     first = policy.select(text_req("a"), ws)
@@ -58,10 +59,14 @@ def test_cached_worker_wins_until_its_queue_costs_more_than_a_full_prefill(caplo
     # The hit it left behind is counted: one decision, the ~1000 cached tokens.
     assert policy.stats()["diverted"] == 1
     assert 990 <= policy.stats()["diverted_tokens"] <= 1001
-    # ... and at debug, logged with what its holder was predicted to cost (2+ s of queue).
+    # ... and at debug, logged with what its holder was predicted to cost (2+ s of queue),
+    # which bench.hit_loss reads back from the gateway's log.
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("diverted c:")]
-    held_ttft = float(line.split(f"holder {first.worker.url} ")[1].split("s ")[0])
-    assert held_ttft > 1.5 and f"{moved.worker.url} predicted TTFT" in line
+    assert f"{moved.worker.url} predicted TTFT" in line and f"holder {first.worker.url} " in line
+    (tmp_path / "router0.log").write_text(caplog.text)
+    got = diversions(tmp_path / "router0.log", long_s=1.0)
+    assert got["diverted"] == 1 and 990 <= got["tokens"] <= 1001
+    assert got["saved_s"] > 1.0 and got["long"] == 1 and got["long_tokens"] == got["tokens"]
     assert policy.stats()["queued_prefill_tokens"] >= 15_000
     # Completion frees the backlog.
     for i in range(3):
