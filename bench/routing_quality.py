@@ -130,8 +130,11 @@ def smg_stats(url: str) -> dict[str, float]:
 
 
 # ---- one run --------------------------------------------------------------------------------------
-def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, out: Path) -> dict:
-    logs = out / "logs" / spec.label.replace(":", "_").replace("[", "_").replace("]", "").replace(",", "_").replace(" ", "_")
+def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, out: Path, rep: int = 0) -> dict:
+    """One fresh cluster and router over ``records``; its logs (gateway and engines) in
+    ``out/logs/<label>/<rep + 1>``, one directory a run, as ``bench.hit_loss`` reads them."""
+    label = spec.label.replace(":", "_").replace("[", "_").replace("]", "").replace(",", "_").replace(" ", "_")
+    logs = out / "logs" / label / str(rep + 1)
     logs.mkdir(parents=True, exist_ok=True)
     # One log line per request on every engine: which worker served it and what it reused
     # (bench.hit_loss splits the lost hits into diverted and evicted from them).
@@ -165,7 +168,7 @@ def run_one(spec: RunSpec, records: list[TraceRecord], a: argparse.Namespace, ou
         finally:
             stack.close()
         dead = cluster.dead()
-        engine_logs = cluster.log_paths  # this run's only: repetitions share the directory
+        engine_logs = cluster.log_paths
     return {"spec": spec, "result": res, "workers": workers, "policy_stats": pstats, "dead": dead,
             "run_wall_s": time.monotonic() - t0, "hit_loss": hit_loss.split(records, hit_loss.served(engine_logs))}
 
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, runs = [], []
     for rep, spec in ((rep, spec) for rep in range(a.repeat) for spec in specs):
-        run = run_one(spec, records, a, out)
+        run = run_one(spec, records, a, out, rep)
         row = analyse(run, oracle, bounded, a)
         row["base_label"] = row["label"]
         if a.repeat > 1:  # interleaved: a slow drift in machine load hits every router alike

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in a.workloads:
             records, s = workload_setup(name, a, fleet)
             for spec in specs:
-                run = run_one(spec, records, q, out / name)
+                run = run_one(spec, records, q, out / name, rep)
                 row = analyse(run, s["oracle_hit_rate"], s["bounded_oracle_hit_rate"], q)
                 row.update(workload=name, base_label=row["label"], repeat=rep + 1)
                 rows.append(row)

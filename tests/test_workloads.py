@@ -105,3 +105,6 @@ def test_a_small_suite_runs_end_to_end(tmp_path):
     assert all(r["errors"] == 0 and r["ok"] == saved["setups"][r["workload"]]["requests"] for r in saved["runs"])
     assert "| burst | kvgate:cost |" in (out / "table.md").read_text()
     assert (out / "suite.png").stat().st_size > 0
+    # Each run's logs in a directory of their own, which bench.hit_loss reads whole.
+    run_logs = out / "burst" / "logs" / "kvgate_cost" / "1"
+    assert (run_logs / "router0.log").exists() and len(list(run_logs.glob("unified-*.log"))) == 2
