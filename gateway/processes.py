@@ -150,15 +150,23 @@ class Supervisor:
         members = list(self.members)
         for m in members:
             signal_member(m, signal.SIGTERM)
-        deadline = self.cfg.shutdown_grace_secs + EXIT_MARGIN_SECS
-        for m in members:
-            try:
-                await asyncio.wait_for(m.proc.wait(), max(0.1, deadline))
-            except asyncio.TimeoutError:
-                log.error("process %d (pid %d) still running after the grace period: killing it", m.index, m.proc.pid)
-                signal_member(m, signal.SIGKILL)
-                await m.proc.wait()
-            self._gone(m)
+        await asyncio.gather(*(self._exit(m, self.cfg.shutdown_grace_secs + EXIT_MARGIN_SECS) for m in members))
+
+    async def _exit(self, member: Member, within: float) -> None:
+        """Wait for a member told to stop; kill it after ``within`` seconds. Its slot's socket
+        closes as soon as it is gone, so that while the others drain, new connections reach
+        one of them (a 503 with ``Connection: close``) instead of waiting in a queue nobody reads."""
+        try:
+            code = await asyncio.wait_for(member.proc.wait(), max(0.1, within))
+        except asyncio.TimeoutError:
+            log.error("process %d (pid %d) still running after the grace period: killing it",
+                      member.index, member.proc.pid)
+            signal_member(member, signal.SIGKILL)
+            code = await member.proc.wait()
+        log.info("process %d (pid %d) exited (%d)", member.index, member.proc.pid, code)
+        self._gone(member)
+        if self.slots[member.index] is member:
+            self.listeners.release(member.index)
 
     # --- members --------------------------------------------------------------------------
     async def _start(self, index: int) -> Member:

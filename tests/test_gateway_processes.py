@@ -116,27 +116,39 @@ def test_both_processes_serve_and_metrics_add_up(start_sim, tmp_path):
 
 
 def test_sigterm_drains_every_member_and_exits_0(start_sim):
+    """One member drains a stream, the other has nothing to finish and exits at once: from then
+    on every new connection reaches the draining member and gets its 503, none waits on the
+    exited member's socket; the stream ends with [DONE] and the group exits 0."""
     sim = start_sim("--time-scale", "1")
     proc = start_group(sim.url, "--shutdown-grace-secs", "20")
 
-    async def scenario() -> list[list[bytes]]:
+    async def probe(url: str) -> int | str:
+        """A fresh connection each time, as a load balancer's probe opens."""
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=5)) as s:
+            try:
+                async with s.get(url) as resp:
+                    return resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return type(exc).__name__
+
+    async def scenario() -> tuple[list[bytes], list[int | str]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-            flags = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(read_stream(s, proc.url + "/v1/chat/completions", 120, f)) for f in flags]
-            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 20)
+            started = asyncio.Event()
+            stream = asyncio.create_task(read_stream(s, proc.url + "/v1/chat/completions", 1000, started))
+            await asyncio.wait_for(started.wait(), 20)
             os.kill(proc.popen.pid, signal.SIGTERM)  # the supervisor alone: it passes the signal on
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                async with s.get(proc.url + "/readiness") as resp:
-                    if resp.status == 503:
-                        break
+            while not re.search(r"process \d \(pid \d+\) exited", proc.output()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert resp.status == 503 and proc.popen.poll() is None  # draining while the streams run
-            return await asyncio.gather(*tasks)
+            assert not stream.done() and proc.popen.poll() is None, proc.output()[-4000:]
+            probes = [await probe(proc.url + "/readiness") for _ in range(20)]
+            return await stream, probes
 
     try:
-        for events in asyncio.run(scenario()):
-            assert events[-1] == b"data: [DONE]", events[-3:]
+        events, probes = asyncio.run(scenario())
+        assert probes == [503] * 20, probes
+        assert events[-1] == b"data: [DONE]", events[-3:]
         assert exit_code(proc, 20) == 0, proc.output()[-4000:]
         out = proc.output()
         assert "kvgate[0]: shut down" in out and "kvgate[1]: shut down" in out
