@@ -15,7 +15,7 @@ worker keeps its conversations until its queue costs more than the prefill they
 save several times over. Capped at ``full_weight_busy``: past it the averaged share
 of a few workers is too coarse to tell 3 from 30 (at 7 of 8 busy the odds are 7), and
 a larger weight piles sessions on warm workers (bench.suite: ``work_weight`` 12 and 36
-lose to 3-4 on every workload, docs/cost-model.md). Averaged, not each decision's own
+lose wherever prefixes are shared, docs/cost-model.md). Averaged, not each decision's own
 share: the instantaneous share lost hits on the Mooncake trace, and a burst arriving
 after a pause still sees the pause. The first decision takes the share as it finds
 it: starting from "busy" queued a cold start's first burst on one worker.
