@@ -30,11 +30,11 @@ import ssl
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.peer_requests import InFlight, Leg, PeerRequests
 from gateway.records import (Alive, Completed, FirstToken, Hello, Member, Owned, Routed, Spent, Used, decode_batch, encode,
-                             outcome_of, peer_view, request_fields)
+                             request_fields)
 from index.views import Outcome, RequestView, WorkerView
 from policies.base import Policy
 
@@ -64,19 +64,6 @@ class Local:
 ALONE = Local()
 
 
-@dataclass(slots=True)
-class _Leg:
-    url: str
-    cached: int | None
-    first_token: bool = False
-
-
-@dataclass(slots=True)
-class _Request:
-    view: RequestView
-    legs: dict[str, _Leg] = field(default_factory=dict)  # role -> leg
-
-
 def new_origin() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -89,8 +76,6 @@ class Peers(Local):
                  heartbeat_s: float = 1.0, origin: str | None = None, wake_step_s: float = 0.01,
                  tls: ssl.SSLContext | None = None, claims: bool = True, claims_max_rps: float = 100.0) -> None:
         self.origin = origin or new_origin()
-        self.policies = policies
-        self.workers = workers  # url -> gateway.workers.Worker (the registry's table)
         self.heartbeat_s = heartbeat_s
         self.wake_step_s = wake_step_s  # longer than a record's usual trip (the bus lingers 2 ms)
         self.freed: Callable[[], None] = lambda: None  # wakes held requests (the proxy's)
@@ -98,10 +83,10 @@ class Peers(Local):
         self.use: Callable[[str, int, int], None] | None = None  # debits a tenant's budgets (requests, tokens)
         self.learn_owner: Callable[[str, str], None] | None = None  # a Responses object's worker
         self.membership: Any = None  # gateway.membership.SharedMembership: admin changes are the group's
-        self.mine: dict[str, _Request] = {}  # rid -> what this process has in flight
-        self.theirs: dict[str, dict[str, _Request]] = {}  # origin -> rid -> a peer's in flight
+        self.mine: dict[str, InFlight] = {}  # rid -> what this process has in flight
+        self.theirs = PeerRequests(policies, workers)  # what each peer has in flight
         self.heard: dict[str, float] = {}  # origin -> monotonic time of its last record
-        self.applied = self.ignored = self.released = self.charged = 0
+        self.charged = 0
         self.lag_observe: Callable[[float], None] = lambda _s: None
         from gateway.bus import Bus  # nats-py is imported only by a gateway that shares its state
 
@@ -127,8 +112,8 @@ class Peers(Local):
         mine = self.mine.get(view.request_id)
         first = mine is None
         if first:
-            mine = self.mine[view.request_id] = _Request(view)
-        mine.legs[worker.role] = _Leg(worker.url, cached)
+            mine = self.mine[view.request_id] = InFlight(view)
+        mine.legs[worker.role] = Leg(worker.url, cached)
         self._routed(view, worker.role, worker.url, cached, first, False)
 
     def _routed(self, view: RequestView, role: str, url: str, cached: int | None, prompt: bool, first_token: bool) -> None:
@@ -221,15 +206,18 @@ class Peers(Local):
                     self.bus.publish(encode(Hello(self.origin, time.time())))
             self.heard[origin] = now
             if kind is Routed:
-                self._apply_routed(record)
+                self.theirs.routed(record)
                 self.lag_observe(wall - record.sent)
             elif kind is FirstToken:
-                self._apply_first_token(record)
+                if self.theirs.first_token(record):
+                    self._wake_after(origin)
             elif kind is Completed:
-                self._apply_completed(record)
+                if self.theirs.completed(record):
+                    self._wake_after(origin)
                 self.lag_observe(wall - record.sent)
             elif kind is Alive:
-                self._apply_alive(record)
+                if self.theirs.alive(record):
+                    self.freed()
             elif kind is Hello:
                 self._resend()
             elif kind is Spent and self.charge is not None:
@@ -242,61 +230,6 @@ class Peers(Local):
                 self.learn_owner(record.response_id, record.url)
             elif kind is Member and self.membership is not None:
                 self.membership.apply(record)
-
-    def _worker(self, role: str, url: str) -> tuple[Policy, Any] | None:
-        worker = self.workers.get(url)
-        policy = self.policies.get(role)
-        if worker is None or policy is None or worker.view.role != role:
-            self.ignored += 1  # a worker this process does not have (yet): membership is its own
-            return None
-        return policy, worker
-
-    def _apply_routed(self, r: Routed) -> None:
-        theirs = self.theirs.setdefault(r.origin, {})
-        req = theirs.get(r.rid)
-        if req is None:
-            if not r.prompt:  # a later leg whose first was lost: the next resend brings it whole
-                self.ignored += 1
-                return
-            req = theirs[r.rid] = _Request(peer_view(r, f"{r.rid}@{r.origin}"))
-        if r.role in req.legs:
-            return  # sent again in a resync: already applied
-        found = self._worker(r.role, r.url)
-        if found is None:
-            if not req.legs:
-                del theirs[r.rid]
-            return
-        policy, worker = found
-        worker.started()
-        policy.on_peer_routed(req.view, worker.view, r.cached)
-        req.legs[r.role] = _Leg(r.url, r.cached, r.first_token)
-        if r.first_token:
-            policy.on_first_token(req.view, worker.view)
-        self.applied += 1
-
-    def _leg(self, origin: str, rid: str, role: str) -> tuple[_Request, _Leg] | None:
-        req = self.theirs.get(origin, {}).get(rid)
-        leg = req.legs.get(role) if req is not None else None
-        return (req, leg) if leg is not None else None  # type: ignore[return-value]
-
-    def _apply_first_token(self, r: FirstToken) -> None:
-        found = self._leg(r.origin, r.rid, r.role)
-        if found is None or found[1].first_token:
-            return
-        req, leg = found
-        leg.first_token = True
-        worker = self.workers.get(leg.url)
-        if worker is not None:
-            self.policies[r.role].on_first_token(req.view, worker.view)
-        self.applied += 1
-        self._wake_after(r.origin)
-
-    def _apply_completed(self, r: Completed) -> None:
-        if self._leg(r.origin, r.rid, r.role) is None:
-            return
-        self._end(r.origin, r.rid, r.role, outcome_of(r))
-        self.applied += 1
-        self._wake_after(r.origin)
 
     def _wake_after(self, origin: str) -> None:
         """Held requests here are decided again after a peer's request freed a worker, but not
@@ -316,41 +249,9 @@ class Peers(Local):
         else:
             asyncio.get_running_loop().call_later(turn * self.wake_step_s, self.freed)
 
-    def _end(self, origin: str, rid: str, role: str, outcome: Outcome) -> None:
-        theirs = self.theirs[origin]
-        req = theirs[rid]
-        leg = req.legs.pop(role)
-        if not req.legs:
-            del theirs[rid]
-        worker = self.workers.get(leg.url)
-        if worker is not None:
-            worker.finished()
-            self.policies[role].on_complete(req.view, worker.view, outcome)
-
-    def _apply_alive(self, r: Alive) -> None:
-        theirs = self.theirs.get(r.origin)
-        if not theirs:
-            return
-        live = set(r.live)
-        gone = [rid for rid in theirs if rid not in live]
-        for rid in gone:
-            self._release(r.origin, rid)
-        if gone:
-            self.freed()
-
-    def _release(self, origin: str, rid: str) -> None:
-        """A peer's request that ended without its record reaching here."""
-        lost = Outcome(ok=False, status=0, error="ended at a peer, record lost")
-        for role in list(self.theirs[origin][rid].legs):
-            self._end(origin, rid, role, lost)
-            self.released += 1
-
     def _forget(self, origin: str, why: str) -> None:
-        theirs = self.theirs.get(origin, {})
-        log.warning("peer %s %s: releasing its %d requests in flight", origin, why, len(theirs))
-        for rid in list(theirs):
-            self._release(origin, rid)
-        self.theirs.pop(origin, None)
+        released = self.theirs.forget(origin)
+        log.warning("peer %s %s: released its %d requests in flight", origin, why, released)
         self.heard.pop(origin, None)
         self.freed()
 
@@ -358,6 +259,6 @@ class Peers(Local):
         claims = self.claims.stats() if self.claims is not None else {}
         return {**claims, "connected": float(self.bus.connected), "peers": float(len(self.heard)),
                 "published": float(self.bus.published), "dropped": float(self.bus.dropped),
-                "applied": float(self.applied), "ignored": float(self.ignored), "released": float(self.released),
-                "charged": float(self.charged),
-                "peer_requests_in_flight": float(sum(len(t) for t in self.theirs.values()))}
+                "applied": float(self.theirs.applied), "ignored": float(self.theirs.ignored),
+                "released": float(self.theirs.released), "charged": float(self.charged),
+                "peer_requests_in_flight": float(self.theirs.count)}
