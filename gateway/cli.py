@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import GatewayConfig, WorkerSpec, discovery_problem, load_yaml, process_count, workers_from_mapping
+from gateway.router_flags import add_router_args, apply_router_args
 from wire.options import OptionError
 
 log = logging.getLogger("kvgate")
@@ -80,7 +81,7 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
                    help="request header that names the tenant (from the tenants file) when the API key names none")
     g.add_argument("--request-timeout-secs", type=float, help="upstream silence (no byte) that fails an attempt")
     g.add_argument("--max-payload-size", type=int)
-    g.add_argument("--max-retries", type=int)
+    g.add_argument("--max-retries", "--retry-max-retries", type=int)
     g.add_argument("--migration-limit", type=int,
                    help="times a stream whose worker fails after its first byte is continued on another worker, "
                         "the client seeing one answer (default 2; 0: it ends with an error event; docs/migration.md)")
@@ -89,9 +90,9 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--health-failure-threshold", type=int)
     g.add_argument("--health-success-threshold", type=int)
     g.add_argument("--cb-failure-threshold", type=int)
-    g.add_argument("--cb-timeout-secs", type=float)
+    g.add_argument("--cb-timeout-secs", "--cb-timeout-duration-secs", type=float)
     g.add_argument("--load-poll-interval-secs", type=float)
-    g.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer",
+    g.add_argument("--tokenizer", "--tokenizer-path", "--model-path", dest="tokenizer",
                    help="for precise routing: 'byte' (the simulator's), or the model's directory (tokenizer.json + "
                         "tokenizer_config.json with its chat template) or tokenizer.json")
     g.add_argument("--chat-template", help="a .jinja chat template overriding the model's, as given to SGLang's "
@@ -116,11 +117,12 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--state-claims-max-rps", type=float, metavar="N",
                    help="a process routing more requests a second than this decides without claims, which "
                         "cost ~0.35 ms of CPU each (default 100; 0: claim every decision)")
-    g.add_argument("--shutdown-grace-secs", type=float)
+    g.add_argument("--shutdown-grace-secs", "--shutdown-grace-period-secs", type=float)
     g.add_argument("--processes", type=_processes, metavar="N|auto",
                    help="event-loop processes serving the one port (default 1; auto: one per usable CPU); "
                         "SIGHUP reloads them one at a time (docs/processes.md)")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   type=lambda v: "warning" if v == "warn" else v)  # "warn": sglang-router's
     s = p.add_argument_group("control-plane security (docs/security.md)")
     s.add_argument("--allow-open-admin", action="store_true", default=None,
                    help="serve the admin routes without a key on a bind that is not loopback (refused by default)")
@@ -129,11 +131,11 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     s.add_argument("--worker-url-allow", action="append", metavar="CIDR|HOST",
                    help="networks and host names ('*.suffix' for every name under it) that workers added at "
                         "runtime may be at (repeatable); link-local and metadata addresses need an entry inside them")
-    s.add_argument("--tls-cert-file", help="serve HTTPS with this PEM certificate chain (SIGHUP reloads it)")
-    s.add_argument("--tls-key-file", help="its private key (default: in --tls-cert-file)")
+    s.add_argument("--tls-cert-file", "--tls-cert-path", help="serve HTTPS with this PEM certificate chain (SIGHUP reloads it)")
+    s.add_argument("--tls-key-file", "--tls-key-path", help="its private key (default: in --tls-cert-file)")
     s.add_argument("--worker-ca-file", help="CA bundle that https workers' certificates are verified against")
-    s.add_argument("--worker-client-cert-file", help="client certificate shown to workers that require one (mTLS)")
-    s.add_argument("--worker-client-key-file", help="its private key (default: in --worker-client-cert-file)")
+    s.add_argument("--worker-client-cert-file", "--client-cert-path", help="client certificate shown to workers that require one (mTLS)")
+    s.add_argument("--worker-client-key-file", "--client-key-path", help="its private key (default: in --worker-client-cert-file)")
     s.add_argument("--state-tls-ca-file", help="CA bundle the state bus's certificate is verified against "
                                                "(a tls:// --state-url; default: the system's)")
     s.add_argument("--state-tls-cert-file", help="client certificate shown to a state bus that verifies clients")
@@ -150,6 +152,7 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     k.add_argument("--service-discovery-namespace", help="namespace to watch (default: all, which needs a ClusterRole)")
     k.add_argument("--bootstrap-port-annotation", metavar="KEY",
                    help="pod annotation with a prefill worker's bootstrap port (default sglang.ai/bootstrap-port)")
+    add_router_args(p)
 
 
 def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] | None = None) -> GatewayConfig:
@@ -176,6 +179,7 @@ def config_from_args(args: argparse.Namespace, extra_workers: list[WorkerSpec] |
     workers += [WorkerSpec(url=item[0], role="decode") for item in getattr(args, "decode", None) or []]
     workers += extra_workers or []
     data["workers"] = workers
+    apply_router_args(args, data)
     try:
         cfg = GatewayConfig(**data)
     except ValueError as exc:  # a selector, allowlist entry, TLS option or tenants file that does not parse
@@ -211,8 +215,9 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     site = group.site(runner, cfg.host, cfg.port, 4096, tls.server) if member else \
         web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, ssl_context=tls.server)
     await site.start()
-    log.info("kvgate listening on %s://%s:%d (policy=%s, workers=%d)", "https" if tls.server else "http", cfg.host,
-             cfg.port, cfg.policy, len(cfg.workers))
+    options = "".join(f" {k}={v}" for k, v in sorted(cfg.policy_options.items()))
+    log.info("kvgate listening on %s://%s:%d (policy=%s%s, workers=%d)", "https" if tls.server else "http", cfg.host,
+             cfg.port, cfg.policy, options, len(cfg.workers))
     stop = asyncio.Event()
     retiring: list[bool] = []
     loop = asyncio.get_running_loop()
