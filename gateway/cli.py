@@ -121,6 +121,8 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--processes", type=_processes, metavar="N|auto",
                    help="event-loop processes serving the one port (default 1; auto: one per usable CPU); "
                         "SIGHUP reloads them one at a time (docs/processes.md)")
+    g.add_argument("--prometheus-port", type=int, help="also serve /metrics on this port (sglang-router's flag)")
+    g.add_argument("--prometheus-host", help="address for --prometheus-port (default: --host)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    type=lambda v: "warning" if v == "warn" else v)  # "warn": sglang-router's
     s = p.add_argument_group("control-plane security (docs/security.md)")
@@ -202,7 +204,7 @@ def _install_uvloop() -> None:
 async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     from aiohttp import web
 
-    from gateway import group
+    from gateway import group, metrics_port
     from gateway.app import STATE, build_app
 
     app = build_app(cfg)
@@ -215,6 +217,8 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     site = group.site(runner, cfg.host, cfg.port, 4096, tls.server) if member else \
         web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, ssl_context=tls.server)
     await site.start()
+    scrape = await metrics_port.start(app, cfg.prometheus_host or cfg.host, cfg.prometheus_port, member) \
+        if cfg.prometheus_port is not None else None
     options = "".join(f" {k}={v}" for k, v in sorted(cfg.policy_options.items()))
     log.info("kvgate listening on %s://%s:%d (policy=%s%s, workers=%d)", "https" if tls.server else "http", cfg.host,
              cfg.port, cfg.policy, options, len(cfg.workers))
@@ -240,6 +244,8 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     if not await drain.drain(cfg.shutdown_grace_secs):
         log.warning("grace period over with %d requests in flight: cancelling them", drain.in_flight)
     await runner.cleanup()
+    if scrape is not None:
+        await scrape.cleanup()
     log.info("shut down")
 
 

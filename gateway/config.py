@@ -86,6 +86,8 @@ class GatewayConfig:
     state_tls_key_file: str | None = None
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"
+    prometheus_port: int | None = None  # /metrics on a port of its own too (gateway.metrics_port)
+    prometheus_host: str | None = None  # None: host
     # Kubernetes worker discovery (gateway.discovery; sglang-router's flag names)
     service_discovery: bool = False
     selector: dict[str, str] = field(default_factory=dict)  # pods that are unified workers

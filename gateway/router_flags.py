@@ -9,7 +9,7 @@ changed (SMG's ``launch`` takes them too, beside many of its own that kvgate doe
 - ``IGNORED``: knobs of mechanisms kvgate has but drives otherwise (retry back-off, the breaker's
   window, the tokenizer's caches, ...): accepted, with a warning.
 - ``UNSUPPORTED``: features kvgate does not have. Ignoring them would change what clients or
-  operators get (a metrics port that stays closed, JWT auth that is not checked), so the
+  operators get (CORS headers a browser needs, JWT auth that is not checked), so the
   start stops with what to do instead.
 """
 
@@ -48,15 +48,12 @@ IGNORED: dict[str, str] = {
     "--rate-limit-tokens-per-second": "admission queues past --max-concurrent-requests; --rate-limit-rps limits "
                                       "each client",
     "--log-dir": "logs go to stderr",
+    "--prometheus-duration-buckets": "the latency histograms keep kvgate's buckets",
 }
 
-_METRICS = "kvgate serves /metrics on its own port (--port; --protect-metrics to require the admin key)"
 _HISTORY = "stored responses live on the workers that made them (/v1/responses is proxied)"
 _AUTH = "give --api-key / --admin-api-key (docs/security.md)"
 UNSUPPORTED: dict[str, str] = {
-    "--prometheus-port": _METRICS,
-    "--prometheus-host": _METRICS,
-    "--prometheus-duration-buckets": _METRICS,
     "--cors-allowed-origins": "no CORS headers are sent: serve browsers through a proxy that adds them",
     "--dp-aware": "route to each data-parallel rank's own URL",
     "--enable-igw": "one gateway serves every model its workers report (/v1/models)",

@@ -14,7 +14,7 @@ from gateway.cli import build_parser, config_from_args
 from gateway.router_flags import IGNORED, TUNING, UNSUPPORTED
 from tests.conftest import MODEL
 from tests.requires import need
-from tests.support import Proc, request_json
+from tests.support import FREE_PORT, Proc, metric_value, request_json, serve
 
 
 def _kvgate_flags() -> set[str]:
@@ -58,7 +58,7 @@ def test_tuning_flags_reach_the_policy_that_declares_them(caplog):
     assert "--retry-jitter-factor ignored" in caplog.text
 
 
-@pytest.mark.parametrize("flag", ["--prometheus-port", "--jwt-issuer", "--cors-allowed-origins", "--dp-aware"])
+@pytest.mark.parametrize("flag", ["--history-backend", "--jwt-issuer", "--cors-allowed-origins", "--dp-aware"])
 def test_a_feature_kvgate_lacks_stops_the_start_with_what_to_use(flag):
     assert flag in UNSUPPORTED and flag not in IGNORED
     with pytest.raises(SystemExit) as stop:
@@ -89,10 +89,30 @@ def test_a_sglang_router_command_line_serves(start_sim, start_gateway):
 
 def test_a_refused_flag_stops_the_start_before_listening():
     proc = Proc.python("gateway", "serve", "--host", "127.0.0.1", "--port", "0", "--worker-urls", "http://127.0.0.1:1",
-                       "--prometheus-port", "29000", name="gateway")
+                       "--jwt-issuer", "https://issuer.example", name="gateway")
     try:
         code = proc.popen.wait(30)
     finally:
         proc.stop()
-    assert code != 0 and "--prometheus-port: kvgate serves /metrics on its own port" in proc.output()
+    assert code != 0 and "--jwt-issuer: give --api-key / --admin-api-key" in proc.output()
     assert "listening" not in proc.output()
+
+
+def test_metrics_on_a_port_of_their_own(start_sim):
+    """``--prometheus-port``: the same figures as the main port's /metrics, nothing else there, and
+    the main port's rule for who may read them (``--protect-metrics``: an admin key)."""
+    sim = start_sim("--time-scale", "20")
+    gw = serve([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", FREE_PORT,
+                "--prometheus-port", FREE_PORT, "--worker-urls", sim.url, "--admin-api-key", "adm",
+                "--protect-metrics"], "/health", name="gateway")
+    try:
+        scrape = f"http://127.0.0.1:{gw.ports[1]}"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert request_json("POST", gw.url + "/v1/chat/completions", body)[0] == 200
+        assert request_json("GET", scrape + "/metrics")[0] == 401
+        status, text = request_json("GET", scrape + "/metrics", headers={"Authorization": "Bearer adm"})
+        assert status == 200 and metric_value(str(text), "kvgate_requests_total", route="/v1/chat/completions", status="200") == 1
+        assert request_json("GET", scrape + "/v1/models")[0] == 404 and request_json("GET", scrape + "/health")[0] == 404
+        assert gw.stop() == 0
+    finally:
+        gw.stop()
