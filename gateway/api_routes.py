@@ -156,7 +156,8 @@ class ApiRoutes:
             ids, packed = await st.encoder.text(text)
         session = session_key(request.headers, body.prompt_cache_key, body.user)
         max_tokens = body.max_output_tokens if type(body.max_output_tokens) is int else None
-        return RequestView(request_id=request_id_from(request.headers), route=route, model=body.model or None,
+        rid = request_id_from(request.headers, st.cfg.request_id_headers)
+        return RequestView(request_id=rid, route=route, model=body.model or None,
                            text=text, token_ids=ids, packed_ids=packed, session_key=session, stream=bool(body.stream),
                            max_tokens=max_tokens,
                            cache_salt=body.cache_salt if isinstance(body.cache_salt, str) else None,
@@ -194,7 +195,7 @@ class ApiRoutes:
         response_id = request.match_info["response_id"]
         raw = await _read(request, st.cfg.max_payload_size) if request.can_read_body else b""
         worker = self._owner(response_id)
-        rid = request_id_from(request.headers)
+        rid = request_id_from(request.headers, st.cfg.request_id_headers)
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else RESPONSE
         started = time.perf_counter()
         async with st.admission.slot():

@@ -129,7 +129,8 @@ def generation_handler(route: str):
         started = time.perf_counter()
         try:
             async with state.admission.slot(ticket):  # before tokenizing: a refused request costs no encode
-                view = await build_view(body, route, request.headers, request_id_from(request.headers),
+                rid = request_id_from(request.headers, state.cfg.request_id_headers)
+                view = await build_view(body, route, request.headers, rid,
                                         state.encoder, state.needs_prompt, packed)
                 if ticket is not None:
                     view.qos = ticket

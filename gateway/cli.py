@@ -121,8 +121,6 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     g.add_argument("--processes", type=_processes, metavar="N|auto",
                    help="event-loop processes serving the one port (default 1; auto: one per usable CPU); "
                         "SIGHUP reloads them one at a time (docs/processes.md)")
-    g.add_argument("--prometheus-port", type=int, help="also serve /metrics on this port (sglang-router's flag)")
-    g.add_argument("--prometheus-host", help="address for --prometheus-port (default: --host)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    type=lambda v: "warning" if v == "warn" else v)  # "warn": sglang-router's
     s = p.add_argument_group("control-plane security (docs/security.md)")

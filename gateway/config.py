@@ -63,6 +63,7 @@ class GatewayConfig:
     # health and breaker
     health_check_interval_secs: float = 5.0
     health_check_timeout_secs: float = 5.0
+    health_check_endpoint: str = "/health"  # the workers' path that answers 200 when healthy
     health_failure_threshold: int = 3
     health_success_threshold: int = 2
     cb_failure_threshold: int = 5
@@ -75,6 +76,7 @@ class GatewayConfig:
     tokenize_cache_mb: float = 64.0  # ids of recent prompts kept to encode only what a new one adds; 0: off
     ids_cache_mb: float = 64.0  # id lists clients sent, kept to decode only what a next turn adds; 0: off
     strict_models: bool = True  # unknown model -> 404
+    request_id_headers: tuple[str, ...] = ("X-Request-ID",)  # a client's request id: the first of these it sends
     # a group of gateway processes/replicas sharing one routing state (gateway.peers)
     state_url: str | None = None  # nats://host:port; None: this process routes on its own state
     state_subject: str = "kvgate.routing"  # one group per subject on a shared NATS
@@ -122,6 +124,9 @@ class GatewayConfig:
             self.api_keys = list(dict.fromkeys([*self.api_keys, *self.qos.keys]))
         elif self.tenant_header:
             raise ValueError("--tenant-header names tenants of a tenants file: give --tenants-file")
+        self.request_id_headers = tuple(self.request_id_headers)
+        if not self.health_check_endpoint.startswith("/"):
+            raise ValueError(f"--health-check-endpoint must be a path, not {self.health_check_endpoint!r}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be 0 or more, not {self.migration_limit}")
         problem = tls_problem(self)

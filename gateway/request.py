@@ -279,8 +279,15 @@ def session_key(headers: Any, prompt_cache_key: Any, user: Any) -> str | None:
     return key if type(key) is str and key else None
 
 
-def request_id_from(headers: Any) -> str:
-    """The client's ``X-Request-ID`` or 32 random hex digits (``uuid4().hex``'s shape;
-    building the UUID object cost more than the id is worth on the hot path)."""
-    rid = headers.get("X-Request-ID")
-    return rid if rid and len(rid) <= 256 else os.urandom(16).hex()
+REQUEST_ID_HEADERS = ("X-Request-ID",)
+
+
+def request_id_from(headers: Any, names: tuple[str, ...] = REQUEST_ID_HEADERS) -> str:
+    """The client's id from the first of the headers ``names`` it sent (``--request-id-headers``),
+    or 32 random hex digits (``uuid4().hex``'s shape; building the UUID object cost more
+    than the id is worth on the hot path)."""
+    for name in names:
+        rid = headers.get(name)
+        if rid and len(rid) <= 256:
+            return rid
+    return os.urandom(16).hex()

@@ -40,7 +40,6 @@ IGNORED: dict[str, str] = {
     "--worker-startup-timeout-secs": "workers join when healthy and the gateway serves meanwhile (/readiness)",
     "--worker-startup-check-interval": "workers are polled every --health-check-interval-secs",
     "--bucket-adjust-interval-secs": "the bucket policy is not built in",
-    "--request-id-headers": "the request id is read from X-Request-ID",
     "--tokenizer-cache-enable-l0": "prompt ids are cached by --tokenize-cache-mb",
     "--tokenizer-cache-l0-max-entries": "prompt ids are cached by --tokenize-cache-mb",
     "--tokenizer-cache-enable-l1": "prompt ids are cached by --tokenize-cache-mb",
@@ -61,7 +60,6 @@ UNSUPPORTED: dict[str, str] = {
     "--assignment-mode": "the manual policy is not built in (consistent_hash keeps a session's worker)",
     "--max-idle-secs": "the manual policy is not built in (consistent_hash keeps a session's worker)",
     "--disable-health-check": "workers must answer their health checks to be routed to",
-    "--health-check-endpoint": "workers are checked on /health",
     "--reasoning-parser": "responses are passed through as the workers produce them",
     "--tool-call-parser": "responses are passed through as the workers produce them",
     "--mcp-config-path": "MCP is not supported",
@@ -93,6 +91,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sglang-router's flags", "cache_aware's settings (as policy options: kvgate "
                              "policies cache_aware); other sglang-router flags are accepted where kvgate has the "
                              "mechanism, or refused with what to use instead")
+    g.add_argument("--prometheus-port", type=int, help="also serve /metrics alone on this port")
+    g.add_argument("--prometheus-host", help="address for --prometheus-port (default: --host)")
+    g.add_argument("--request-id-headers", nargs="+", metavar="NAME",
+                   help="headers a client's request id is read from, first found wins (default X-Request-ID)")
+    g.add_argument("--health-check-endpoint", metavar="PATH", help="the workers' health path (default /health)")
     for flag, (_, kind) in TUNING.items():
         g.add_argument(flag, type=kind, dest=_dest(flag), metavar="N")
     g.add_argument("--ca-cert-paths", nargs="+", dest="router_ca_cert_paths", help=argparse.SUPPRESS)

@@ -201,7 +201,7 @@ class WorkerRegistry:
 
     async def check_health(self, worker: Worker, initial: bool = False) -> bool:
         try:
-            async with self.session.get(worker.url + "/health", headers=worker.auth_headers(),
+            async with self.session.get(worker.url + self.cfg.health_check_endpoint, headers=worker.auth_headers(),
                                         timeout=self._probe_timeout) as resp:
                 ok = resp.status == 200
                 await resp.read()

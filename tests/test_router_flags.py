@@ -4,9 +4,12 @@ warning, or refused with what to use instead), and the common ones do what they 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -116,3 +119,23 @@ def test_metrics_on_a_port_of_their_own(start_sim):
         assert gw.stop() == 0
     finally:
         gw.stop()
+
+
+def test_request_id_headers_and_health_check_endpoint(start_sim, start_gateway):
+    """``--request-id-headers``: the first of them a client sends names its request, upstream and in
+    the answer; ``--health-check-endpoint``: the path workers are probed on (a wrong one keeps
+    every worker out)."""
+    sim = start_sim("--time-scale", "20")
+    gw = start_gateway(sim.url, args=("--request-id-headers", "X-Trace-ID", "X-Request-ID",
+                                      "--health-check-endpoint", "/health_generate"))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    req = urllib.request.Request(gw.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "X-Trace-ID": "trace-7",
+                                          "X-Request-ID": "second"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200 and resp.headers["X-Request-ID"] == "trace-7"
+    wrong = start_gateway(sim.url, args=("--health-check-endpoint", "/nope"), ready=False)
+    time.sleep(1.0)  # two health rounds at 0.5 s: probed on /health the worker would be in by now
+    assert request_json("GET", wrong.url + "/readiness")[0] == 503
+    with pytest.raises(SystemExit, match="must be a path"):
+        config("--health-check-endpoint", "health")
