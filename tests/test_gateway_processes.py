@@ -93,13 +93,16 @@ def group_metric(proc: Proc, name: str, **labels: str) -> float:
 
 def test_both_processes_serve_and_metrics_add_up(start_sim, tmp_path):
     sim = start_sim("--time-scale", "50")
-    proc = start_group(sim.url, tmp_path=tmp_path)
+    proc = start_group(sim.url, "--prometheus-port", FREE_PORT, tmp_path=tmp_path)
     try:
         assert http_status(proc.url + "/health") == 200 and http_status(proc.url + "/readiness") == 200
         statuses = [chat(proc.url) for _ in range(60)]
         assert statuses == [200] * 60
         # counters are the group's at once; each member's own count within a publish beat
         assert group_metric(proc, "kvgate_requests_total", route="/v1/chat/completions", status="200") == 60
+        scrape = f"http://127.0.0.1:{proc.ports[1]}/metrics"  # every member listens there, each answers for all
+        assert [metric_value(get_text(scrape), "kvgate_requests_total", route="/v1/chat/completions", status="200")
+                for _ in range(6)] == [60] * 6
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             per = [group_metric(proc, "kvgate_process_requests", process=str(i)) for i in range(2)]
