@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from gateway import log_setup
 from gateway.config import GatewayConfig, WorkerSpec, discovery_problem, load_yaml, process_count, workers_from_mapping
 from gateway.router_flags import add_router_args, apply_router_args
 from wire.options import OptionError
@@ -131,11 +132,12 @@ def add_gateway_args(p: argparse.ArgumentParser, *, with_workers: bool = True) -
     s.add_argument("--worker-url-allow", action="append", metavar="CIDR|HOST",
                    help="networks and host names ('*.suffix' for every name under it) that workers added at "
                         "runtime may be at (repeatable); link-local and metadata addresses need an entry inside them")
-    s.add_argument("--tls-cert-file", "--tls-cert-path", help="serve HTTPS with this PEM certificate chain (SIGHUP reloads it)")
+    s.add_argument("--tls-cert-file", "--tls-cert-path", help="serve HTTPS with this PEM chain (SIGHUP reloads it)")
     s.add_argument("--tls-key-file", "--tls-key-path", help="its private key (default: in --tls-cert-file)")
     s.add_argument("--worker-ca-file", help="CA bundle that https workers' certificates are verified against")
-    s.add_argument("--worker-client-cert-file", "--client-cert-path", help="client certificate shown to workers that require one (mTLS)")
-    s.add_argument("--worker-client-key-file", "--client-key-path", help="its private key (default: in --worker-client-cert-file)")
+    s.add_argument("--worker-client-cert-file", "--client-cert-path",
+                   help="client certificate shown to workers that require one (mTLS)")
+    s.add_argument("--worker-client-key-file", "--client-key-path", help="its key (default: in the certificate file)")
     s.add_argument("--state-tls-ca-file", help="CA bundle the state bus's certificate is verified against "
                                                "(a tls:// --state-url; default: the system's)")
     s.add_argument("--state-tls-cert-file", help="client certificate shown to a state bus that verifies clients")
@@ -215,8 +217,7 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
     site = group.site(runner, cfg.host, cfg.port, 4096, tls.server) if member else \
         web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, ssl_context=tls.server)
     await site.start()
-    scrape = await metrics_port.start(app, cfg.prometheus_host or cfg.host, cfg.prometheus_port, member) \
-        if cfg.prometheus_port is not None else None
+    scrape = await metrics_port.start(app, cfg, member)  # --prometheus-port, if given
     options = "".join(f" {k}={v}" for k, v in sorted(cfg.policy_options.items()))
     log.info("kvgate listening on %s://%s:%d (policy=%s%s, workers=%d)", "https" if tls.server else "http", cfg.host,
              cfg.port, cfg.policy, options, len(cfg.workers))
@@ -250,7 +251,7 @@ async def serve_async(cfg: GatewayConfig, ready: asyncio.Event | None = None) ->
 def serve(cfg: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> int:
     """Run the gateway until SIGTERM/SIGINT: in this process, or as a supervised group of
     ``cfg.processes`` (``reload`` gives the configuration a SIGHUP rolls out)."""
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_setup.configure(cfg.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s", cfg.log_dir)
     if cfg.processes > 1:
         from gateway.processes import supervise
 

@@ -88,6 +88,7 @@ class GatewayConfig:
     state_tls_key_file: str | None = None
     shutdown_grace_secs: float = 30.0
     log_level: str = "info"
+    log_dir: str | None = None  # also log to kvgate.log in this directory (gateway.log_setup)
     prometheus_port: int | None = None  # /metrics on a port of its own too (gateway.metrics_port)
     prometheus_host: str | None = None  # None: host
     # Kubernetes worker discovery (gateway.discovery; sglang-router's flag names)

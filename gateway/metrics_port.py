@@ -13,16 +13,19 @@ import logging
 
 from aiohttp import web
 
+from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, from_exception
 
 log = logging.getLogger("kvgate")
 
 
-async def start(main: web.Application, host: str, port: int, in_group: bool) -> web.AppRunner:
-    """Serve ``main``'s ``/metrics`` on ``host:port``; the runner to clean up at exit."""
+async def start(main: web.Application, cfg: GatewayConfig, in_group: bool) -> web.AppRunner | None:
+    """Serve ``main``'s ``/metrics`` on ``--prometheus-port``, if given: the runner to clean up at exit."""
     from gateway.app import STATE, check_auth, metrics
 
-    state = main[STATE]
+    if cfg.prometheus_port is None:
+        return None
+    host, port, state = cfg.prometheus_host or cfg.host, cfg.prometheus_port, main[STATE]
 
     async def handle(request: web.Request) -> web.Response:
         try:

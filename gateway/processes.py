@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from gateway import group
+from gateway import group, log_setup
 from gateway.nats_server import EmbeddedNats
 from gateway.config import GatewayConfig
 from gateway.listeners import Listeners
@@ -370,8 +370,8 @@ def member_main(config_path: str) -> int:
     from wire.options import OptionError
 
     cfg = msgspec.json.decode(Path(config_path).read_bytes(), type=GatewayConfig)
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s[{group.process_index()}]: %(message)s")
+    log_setup.configure(cfg.log_level, f"%(asctime)s %(levelname)s %(name)s[{group.process_index()}]: %(message)s",
+                        cfg.log_dir)
     _install_uvloop()
     try:
         asyncio.run(serve_async(cfg))

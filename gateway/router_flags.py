@@ -46,7 +46,6 @@ IGNORED: dict[str, str] = {
     "--tokenizer-cache-l1-max-memory": "prompt ids are cached by --tokenize-cache-mb",
     "--rate-limit-tokens-per-second": "admission queues past --max-concurrent-requests; --rate-limit-rps limits "
                                       "each client",
-    "--log-dir": "logs go to stderr",
     "--prometheus-duration-buckets": "the latency histograms keep kvgate's buckets",
 }
 
@@ -96,6 +95,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-id-headers", nargs="+", metavar="NAME",
                    help="headers a client's request id is read from, first found wins (default X-Request-ID)")
     g.add_argument("--health-check-endpoint", metavar="PATH", help="the workers' health path (default /health)")
+    g.add_argument("--log-dir", help="also log to kvgate.log in this directory")
     for flag, (_, kind) in TUNING.items():
         g.add_argument(flag, type=kind, dest=_dest(flag), metavar="N")
     g.add_argument("--ca-cert-paths", nargs="+", dest="router_ca_cert_paths", help=argparse.SUPPRESS)

@@ -93,7 +93,7 @@ def group_metric(proc: Proc, name: str, **labels: str) -> float:
 
 def test_both_processes_serve_and_metrics_add_up(start_sim, tmp_path):
     sim = start_sim("--time-scale", "50")
-    proc = start_group(sim.url, "--prometheus-port", FREE_PORT, tmp_path=tmp_path)
+    proc = start_group(sim.url, "--prometheus-port", FREE_PORT, "--log-dir", str(tmp_path / "logs"), tmp_path=tmp_path)
     try:
         assert http_status(proc.url + "/health") == 200 and http_status(proc.url + "/readiness") == 200
         statuses = [chat(proc.url) for _ in range(60)]
@@ -116,6 +116,9 @@ def test_both_processes_serve_and_metrics_add_up(start_sim, tmp_path):
     finally:
         assert proc.stop() == 0, proc.output()[-4000:]
     assert "processes: 2" in Path(tmp_path / "kvgate.yaml").read_text()
+    log = (tmp_path / "logs" / "kvgate.log").read_text()  # the supervisor's and every member's lines
+    assert "kvgate group of 2 processes serving" in log
+    assert "kvgate[0]: shut down" in log and "kvgate[1]: shut down" in log
 
 
 def test_sigterm_drains_every_member_and_exits_0(start_sim):

@@ -114,8 +114,10 @@ def test_metrics_on_a_port_of_their_own(start_sim):
         assert request_json("POST", gw.url + "/v1/chat/completions", body)[0] == 200
         assert request_json("GET", scrape + "/metrics")[0] == 401
         status, text = request_json("GET", scrape + "/metrics", headers={"Authorization": "Bearer adm"})
-        assert status == 200 and metric_value(str(text), "kvgate_requests_total", route="/v1/chat/completions", status="200") == 1
-        assert request_json("GET", scrape + "/v1/models")[0] == 404 and request_json("GET", scrape + "/health")[0] == 404
+        assert status == 200
+        assert metric_value(str(text), "kvgate_requests_total", route="/v1/chat/completions", status="200") == 1
+        assert request_json("GET", scrape + "/v1/models")[0] == 404
+        assert request_json("GET", scrape + "/health")[0] == 404
         assert gw.stop() == 0
     finally:
         gw.stop()
@@ -139,3 +141,11 @@ def test_request_id_headers_and_health_check_endpoint(start_sim, start_gateway):
     assert request_json("GET", wrong.url + "/readiness")[0] == 503
     with pytest.raises(SystemExit, match="must be a path"):
         config("--health-check-endpoint", "health")
+
+
+def test_log_dir_keeps_the_log_in_a_file(start_sim, start_gateway, tmp_path):
+    sim = start_sim("--time-scale", "20")
+    gw = start_gateway(sim.url, args=("--log-dir", str(tmp_path / "logs")))
+    assert gw.stop() == 0
+    text = (tmp_path / "logs" / "kvgate.log").read_text()
+    assert "kvgate listening on" in text and "shut down" in text
