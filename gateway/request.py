@@ -279,10 +279,7 @@ def session_key(headers: Any, prompt_cache_key: Any, user: Any) -> str | None:
     return key if type(key) is str and key else None
 
 
-REQUEST_ID_HEADERS = ("X-Request-ID",)
-
-
-def request_id_from(headers: Any, names: tuple[str, ...] = REQUEST_ID_HEADERS) -> str:
+def request_id_from(headers: Any, names: tuple[str, ...]) -> str:
     """The client's id from the first of the headers ``names`` it sent (``--request-id-headers``),
     or 32 random hex digits (``uuid4().hex``'s shape; building the UUID object cost more
     than the id is worth on the hot path)."""
