@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Install the real `sglang` package so tests/test_engine_*.py can import it on a CPU box.
+# Install the real `sglang` server for its CPU engine (`python -m engine_patches.launch
+# --device cpu`, `kvgate up --engine sglang`, the real-engine tests).
 #
 #   PYTHON=.venv/bin/python bash engine_patches/install_sglang_cpu.sh
 #
-# Measured on the 2-core dev box (pip cache warm, fresh venv): 111 s, 1.5 GB. `scripts/setup.sh
-# --test` (and so CI) runs it; without it the tests that need it skip with this command as reason.
+# `scripts/setup.sh --test` (and so CI) runs it; without it the tests that need it skip with
+# this command as reason (and fail in CI).
 #
 # The sglang wheel pins a CUDA torch and CUDA kernel packages; none of those can run here,
-# and together they are ~10 GB. So: sglang with --no-deps, a CPU torch, and only the small
-# packages that `sglang.srt.server_args`, `...managers.cache_controller`,
-# `...disaggregation.kv_events` and `...mem_cache.hicache_storage` import. `triton` is NOT
-# installed (1 GB), nor `torchvision` (its PyPI build needs the CUDA torch): tests put
-# tests/shims (import-only stand-ins) on sys.path when the real ones are absent.
-# No SGLang *server* can run on such a CPU (there is no CPU sgl-kernel wheel).
+# and together they are ~10 GB. So: sglang with --no-deps, a CPU torch, xgrammar with
+# --no-deps (its metadata pulls in triton), and the packages the server imports. Three
+# packages cannot be installed on a CPU machine: sgl_kernel (CUDA-only wheels), triton and
+# torchvision (PyPI's build fails on the CPU torch); engine_patches/standins has import-only
+# stand-ins for them, put on the path by the launcher only where the real ones are absent.
 #
 # Knobs: SGLANG_VERSION (0.5.23), TORCH_SPEC (torch==2.13.0: resolves to the local CPU
 # wheel through pip's find-links here; elsewhere point PIP_EXTRA_INDEX_URL at a CPU index).
@@ -28,6 +28,7 @@ import sys
 from importlib.metadata import version
 assert version("sglang") == sys.argv[1]
 import torch  # noqa: F401  (a CPU or CUDA build; either imports here)
+import uvicorn, xgrammar, partial_json_parser  # noqa: F401,E401  (the server's own imports)
 EOF
     echo "install_sglang_cpu: sglang $SGLANG_VERSION and torch already present"
     exit 0
@@ -43,5 +44,8 @@ print(pins[0] if pins else "transformers")')
 # What the imports above really need (found by importing them in a bare venv).
 "${PIP[@]}" numpy orjson psutil pybase64 requests packaging pillow ipython tqdm \
     pydantic fastapi starlette msgspec pyzmq aiohttp pyyaml \
-    "$TRANSFORMERS" apache-tvm-ffi dill sentencepiece compressed-tensors gguf
+    "$TRANSFORMERS" apache-tvm-ffi dill sentencepiece compressed-tensors gguf \
+    uvicorn uvloop python-multipart openai partial_json_parser setproctitle einops jsonschema \
+    soundfile prometheus-client
+"${PIP[@]}" --no-deps "xgrammar==0.2.7"
 echo "install_sglang_cpu: done in $(( $(date +%s) - start ))s"

@@ -26,6 +26,8 @@ from engine_patches.versions import DEFAULT_SGLANG, Version, fmt, installed_sgla
 
 ROLES = ("prefill", "decode", "unified")
 REPO_ROOT = Path(__file__).resolve().parent.parent
+STANDINS = Path(__file__).resolve().parent / "standins"
+CPU_KV_TOKENS = 4096
 
 # The patched entrypoint re-imports itself in SGLang's spawned scheduler processes,
 # which is how the L3 event patch reaches the process that owns the KV publisher.
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--page-size", type=int, help="KV page size; the gateway's prefix index uses the same")
     p.add_argument("--served-model-name")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: SGLang's CPU engine (torch only, no GPU kernels), with the stand-ins and "
+                   "patches of engine_patches/cpu_engine.py; for small models and tests")
+    p.add_argument("--max-total-tokens", type=int,
+                   help="KV pool size in tokens (SGLang's flag; on cpu the default is 4096)")
 
     pd = p.add_argument_group("PD disaggregation (prefill/decode roles)")
     pd.add_argument("--bootstrap-port", type=int, default=8998)
@@ -65,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--kv-events-replay-port", type=int,
                     help="ZMQ ROUTER replay base port (default: kv-events-port + 100)")
     ev.add_argument("--kv-events-topic", default="")
+    ev.add_argument("--kv-events-host", default="*",
+                    help="address the ZMQ sockets bind (default every interface; 127.0.0.1 for one host)")
 
     hc = p.add_argument_group("HiCache (host tier, Mooncake Store as L3 when a master is given)")
     hc.add_argument("--hicache", action="store_true")
@@ -116,12 +125,15 @@ def _json(obj: Mapping[str, object]) -> str:
 
 def kv_events_config(args: argparse.Namespace) -> str:
     replay = args.kv_events_replay_port or args.kv_events_port + 100
-    return _json({
+    config: dict[str, object] = {
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{args.kv_events_port}",
+        "endpoint": f"tcp://{args.kv_events_host}:{args.kv_events_port}",
         "topic": args.kv_events_topic,
-        "replay_endpoint": f"tcp://*:{replay}",
-    })
+        "replay_endpoint": f"tcp://{args.kv_events_host}:{replay}",
+    }
+    if args.kv_events_host != "*":  # SGLang binds a wildcard endpoint and connects to any other
+        config["bind"] = True
+    return _json(config)
 
 
 def mooncake_settings(args: argparse.Namespace) -> dict[str, str]:
@@ -145,13 +157,17 @@ _ENV_NAMES = {
 }
 
 
-def _python_path(env: Mapping[str, str]) -> str | None:
-    """Make ``engine_patches`` importable in SGLang's children when kvgate runs from a checkout."""
+def _python_path(env: Mapping[str, str], standins: bool = False) -> str | None:
+    """Make ``engine_patches`` importable in SGLang's children when kvgate runs from a checkout,
+    and the CPU stand-ins with ``standins``."""
     if REPO_ROOT.name != "engine_patches" and (REPO_ROOT / "engine_patches").is_dir() and \
             (REPO_ROOT / "pyproject.toml").is_file():
         parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        return os.pathsep.join(dict.fromkeys(parts))
-    return None  # pip-installed: site-packages already has it
+    else:  # pip-installed: site-packages already has engine_patches
+        parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if standins:  # after everything else: a real sgl_kernel/triton/torchvision wins
+        parts = [p for p in parts if p != str(STANDINS)] + [str(STANDINS)]
+    return os.pathsep.join(dict.fromkeys(parts)) or None
 
 
 def build_command(
@@ -164,7 +180,8 @@ def build_command(
     if not args.model and "--model-path" not in extra and "--model" not in extra:
         raise SystemExit("launch: --model is required (or pass --model-path after --)")
 
-    entry = PLAIN_ENTRY if args.no_patches else PATCHED_ENTRY
+    # The CPU engine always runs through the patched entry: its patches live there.
+    entry = PLAIN_ENTRY if args.no_patches and args.device != "cpu" else PATCHED_ENTRY
     argv = [args.python, "-m", entry]
     if args.model:
         argv += ["--model-path", args.model]
@@ -179,6 +196,11 @@ def build_command(
         argv.append("--enable-priority-scheduling")
 
     env: dict[str, str] = {}
+    if args.device == "cpu":
+        argv += cpu_flags(args)
+        env.update(cpu_env(args))
+    elif args.max_total_tokens:
+        argv += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.role != "unified":
         argv += [
             "--disaggregation-mode", args.role,
@@ -224,11 +246,37 @@ def build_command(
 
     if args.local_hostname:
         env["MOONCAKE_LOCAL_HOSTNAME"] = args.local_hostname
-    if not args.no_patches:
-        pp = _python_path(base_env)
+    if entry == PATCHED_ENTRY:
+        pp = _python_path(base_env, standins=args.device == "cpu")
         if pp:
             env["PYTHONPATH"] = pp
     return argv + extra, env
+
+
+def cpu_flags(args: argparse.Namespace) -> list[str]:
+    """SGLang's CPU engine: torch attention, no graphs, a small fixed KV pool; host-tier copies
+    by plain torch indexing (``direct``) in the layout that path supports; a decode engine
+    keeps a retracted request's KV in a CPU tensor (its default backup is a CUDA buffer)."""
+    flags = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+             "--mem-fraction-static", "0.1", "--max-total-tokens", str(args.max_total_tokens or CPU_KV_TOKENS)]
+    if args.hicache:
+        flags += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+    if args.role == "decode":
+        flags += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    return flags
+
+
+def cpu_env(args: argparse.Namespace) -> dict[str, str]:
+    """``SGLANG_USE_CPU_ENGINE`` keeps Llama's rotary embedding off vllm and tells
+    ``run_server`` to apply ``cpu_engine``'s patches; the stand-ins go last on the path (a real
+    package always wins). A prefill engine must not send its cached prefix early: that path
+    records a CUDA event."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if args.role == "prefill":
+        env["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] = "false"
+    if args.role != "unified" and args.host not in ("0.0.0.0", "::"):
+        env["SGLANG_HOST_IP"] = args.host  # the address a PD peer reaches this engine's KV at
+    return env
 
 
 def render(argv: Sequence[str], env: Mapping[str, str]) -> str:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import runpy
 import sys
 
-from engine_patches import l3_events
+from engine_patches import cpu_engine, l3_events
 
+if cpu_engine.enabled():
+    cpu_engine.install()
 l3_events.install()
 
 

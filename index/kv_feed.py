@@ -39,15 +39,32 @@ def _with_port_offset(endpoint: str, offset: int) -> str:
     return re.sub(r":(\d+)$", lambda m: f":{int(m.group(1)) + offset}", endpoint)
 
 
+def _from_descriptor(cfg: Mapping[str, object]) -> Mapping[str, object]:
+    """SGLang's ``server_info["kv_events"]`` descriptor (``endpoint_host``, ``endpoint_port_base``,
+    ``replay_endpoint_port_base``: rank r at base + r) as the endpoint form ``kv_endpoints`` takes."""
+    if cfg.get("endpoint") or not cfg.get("endpoint_port_base"):
+        return cfg
+    host = str(cfg.get("endpoint_host") or "*")
+    host = f"[{host}]" if ":" in host else host
+    out = dict(cfg, endpoint=f"tcp://{host}:{int(cfg['endpoint_port_base'])}")  # type: ignore[call-overload]
+    if cfg.get("replay_endpoint_port_base"):
+        out["replay_endpoint"] = f"tcp://{host}:{int(cfg['replay_endpoint_port_base'])}"  # type: ignore[call-overload]
+    return out
+
+
 def publishers_for(worker: WorkerView, override: Mapping[str, object] | None = None) -> list[Publisher]:
-    """Where ``worker`` publishes: a policy-option override, else ``server_info["kv_events"]``.
-    SGLang opens one publisher per DP rank at consecutive ports."""
+    """Where ``worker`` publishes: a policy-option override, else ``server_info["kv_events"]``
+    (SGLang's descriptor, or an endpoint mapping). SGLang opens one publisher per DP rank at
+    consecutive ports."""
     cfg = (override or {}).get(worker.url) or worker.server_info.get("kv_events")
     if not cfg:
         return []
     if isinstance(cfg, str):
         cfg = {"endpoint": cfg}
-    if not isinstance(cfg, Mapping) or not cfg.get("endpoint"):
+    if not isinstance(cfg, Mapping):
+        return []
+    cfg = _from_descriptor(cfg)
+    if not cfg.get("endpoint"):
         return []
     host = worker.host
     endpoint = _localize(str(cfg["endpoint"]), host)
@@ -102,7 +119,10 @@ class KvEventFeed:
                         "match it until it does", worker.url)
             return
         self._waiting.discard(worker.url)
-        if "page_size" in worker.server_info:
+        described = worker.server_info.get("kv_events")
+        if isinstance(described, Mapping) and described.get("block_size"):  # what the events hash at
+            self.index.set_page_size(worker.url, int(described["block_size"]))  # type: ignore[call-overload]
+        elif "page_size" in worker.server_info:
             self.index.set_page_size(worker.url, int(worker.server_info["page_size"]))
         if self.running:
             for pub in pubs:

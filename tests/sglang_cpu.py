@@ -1,8 +1,8 @@
 """Import the real ``sglang`` package on a CPU machine, or skip with the reason where it is not installed.
 
 ``engine_patches/install_sglang_cpu.sh`` installs sglang (no deps), a CPU torch and the
-few packages its Python modules import; ``triton`` and ``torchvision`` come from
-``tests/shims`` (import-only stand-ins) when the real ones are absent.
+packages its modules import; ``sgl_kernel``, ``triton`` and ``torchvision`` come from
+``engine_patches/standins`` (import-only stand-ins) when the real ones are absent.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from types import ModuleType
 
 from tests.requires import missing
 
-SHIMS = Path(__file__).resolve().parent / "shims"
+SHIMS = Path(__file__).resolve().parent.parent / "engine_patches" / "standins"
 INSTALL_HINT = "PYTHON=<venv>/bin/python bash engine_patches/install_sglang_cpu.sh"
 
 
 def _real_missing() -> bool:
-    return find_spec("triton") is None or find_spec("torchvision") is None
+    return any(find_spec(m) is None for m in ("sgl_kernel", "triton", "torchvision"))
 
 
 # Decided once, before add_shims() can make the stand-ins findable.

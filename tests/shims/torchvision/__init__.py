@@ -1,6 +1,0 @@
-"""Import-only stand-in for ``torchvision`` (see tests/shims/_standin.py for why)."""
-
-from _standin import module_getattr as __getattr__, stand_in  # noqa: F401
-
-__version__ = "0.0.0+kvgate.standin"
-stand_in(__name__)
